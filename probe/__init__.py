@@ -1,0 +1,20 @@
+"""probe: see, and guard in CI, what the 1/sqrt(d_k) scaling in attention does to your model."""
+
+from probe.call import AttentionCall
+from probe.errors import ProbeError
+from probe.errors import StabilityError
+from probe.profiler import Probe
+from probe.profiler import watch
+from probe.summary import Summary
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionCall",
+    "Probe",
+    "ProbeError",
+    "StabilityError",
+    "Summary",
+    "__version__",
+    "watch",
+]

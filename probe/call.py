@@ -1,0 +1,90 @@
+"""The one record between capture and statistics: :class:`AttentionCall`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["AttentionCall", "Scale"]
+
+#: A scale is a Python float (the same for every head) or a 1-D tensor with one value per head.
+Scale = Union[float, Tensor]
+
+
+@dataclasses.dataclass
+class AttentionCall:
+    """One attention computation, normalized whatever front end captured it.
+
+    Shapes follow ``F.scaled_dot_product_attention``: ``q`` is ``(B, H, L, d)``, ``k`` is
+    ``(B, Hk, S, d)`` with ``H % Hk == 0`` (grouped-query attention when ``Hk < H``; query head
+    ``h`` reads kv head ``h // (H // Hk)``), ``v`` is ``(B, Hk, S, dv)``.
+
+    The logits the model turns into probabilities are ``Z = scale * q @ k.T + bias`` with
+    invalid entries removed (``mask`` False, ``causal`` above the top-left diagonal, ``bias``
+    at ``-inf`` or at most half the dtype's most negative finite value). With ``softcap = c``
+    they are ``c * tanh(scale * q @ k.T / c) + bias`` (Gemma 2).
+
+    Attributes:
+        q, k, v: the attention inputs, exactly as the model passed them (not copied).
+        scale: the scale the model used; ``None`` when it could not be recovered.
+        bias: an additive float bias broadcastable to ``(B, H, L, S)``, or ``None``.
+        mask: a boolean mask broadcastable to ``(B, H, L, S)``, True = attend, or ``None``.
+        causal: top-left aligned causal masking (``torch.ones(L, S).tril()``), as SDPA does.
+        softcap: logit soft-capping constant, or ``None``.
+        output: the attention output ``(B, H, L, dv)``, for the backward hook.
+        site: the qualified name of the module that issued the call.
+        kind: which front end made the record: ``"sdpa"``, ``"eager"``, ``"mha"``.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Optional[Tensor]
+    scale: Optional[Scale]
+    bias: Optional[Tensor] = None
+    mask: Optional[Tensor] = None
+    causal: bool = False
+    softcap: Optional[float] = None
+    output: Optional[Tensor] = None
+    site: str = "root"
+    kind: str = "sdpa"
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def d_k(self) -> int:
+        return self.q.shape[-1]
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def standard_scale(self) -> float:
+        # The same expression SDPA uses for scale=None, so that "actual" and "standard" coincide
+        # bit for bit on a default SDPA call and are computed once.
+        return 1.0 / math.sqrt(self.d_k)
+
+    def validate(self) -> None:
+        """Check the shapes; raises ``ValueError`` naming the inconsistent field."""
+        if self.q.dim() != 4 or self.k.dim() != 4:
+            raise ValueError(
+                f"expected 4-D q and k (B, H, L, d), got {tuple(self.q.shape)} and {tuple(self.k.shape)}"
+            )
+        if self.q.shape[-1] != self.k.shape[-1]:
+            raise ValueError(f"q and k head dims differ: {self.q.shape[-1]} vs {self.k.shape[-1]}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"query heads {self.heads} are not a multiple of kv heads {self.kv_heads}")
+        if isinstance(self.scale, Tensor) and self.scale.dim() == 1 and self.scale.numel() not in (1, self.heads):
+            raise ValueError(f"a per-head scale needs {self.heads} values, got {self.scale.numel()}")
+        if self.mask is not None and self.mask.dtype != torch.bool:
+            raise ValueError(f"mask must be boolean, got {self.mask.dtype}")

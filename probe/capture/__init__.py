@@ -1,0 +1,1 @@
+"""Capture front ends: turn intercepted attention computations into AttentionCall records."""

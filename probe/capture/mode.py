@@ -1,0 +1,108 @@
+"""Scoping of capture: the TorchFunctionMode over a sampled root forward, and site naming.
+
+The mode is entered only on sampled steps (by :class:`probe.Probe`'s root hooks), so an
+unsampled step pays nothing but two Python hook calls. While it is active, global module
+forward hooks keep a stack of the running modules of the watched model: the site of a call is
+the qualified name of the innermost one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from probe.call import AttentionCall
+
+__all__ = ["CaptureMode", "FrontEnd", "ModuleStack"]
+
+FrontEnd = Any  # an object with ``funcs`` (a tuple of callables) and ``handle(func, args, kwargs, emit)``
+
+
+class ModuleStack:
+    """The running modules of one model, maintained by global forward hooks while active.
+
+    Each entry counts the attention calls its module issued in the current invocation, so a
+    module that issues several gets call indices 0, 1, ... (reported as ``#1``, ``#2``).
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self._root = root
+        self._names: Dict[int, str] = {}
+        self._stack: List[List[Any]] = []  # [module id, name, calls issued]
+        self._handles: List[RemovableHandle] = []
+
+    def activate(self) -> None:
+        # Re-read the module tree each sampled step: modules may have been added since.
+        self._names = {id(m): (name or "root") for name, m in self._root.named_modules()}
+        self._stack = [[id(self._root), "root", 0]]
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._push),
+            nn.modules.module.register_module_forward_hook(self._pop, always_call=True),
+        ]
+
+    def deactivate(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._stack = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    def _push(self, module: nn.Module, args: Any) -> None:
+        name = self._names.get(id(module))
+        if name is not None and module is not self._root:  # the root is the stack's bottom
+            self._stack.append([id(module), name, 0])
+
+    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+        if len(self._stack) > 1 and self._stack[-1][0] == id(module):
+            self._stack.pop()
+
+    def next_site(self) -> Tuple[str, int]:
+        """(qualified name, index of this call within the module's current invocation)."""
+        top = self._stack[-1] if self._stack else [id(self._root), "root", 0]
+        index = top[2]
+        top[2] += 1
+        return top[1], index
+
+
+class CaptureMode(TorchFunctionMode):
+    """Routes the functions that front ends intercept to them; everything else runs untouched.
+
+    Inside ``__torch_function__`` this mode is disabled, so the statistics computed from an
+    emitted call are not themselves intercepted.
+    """
+
+    def __init__(self, frontends: Sequence[FrontEnd], emit: Callable[[AttentionCall], None]) -> None:
+        super().__init__()
+        self._routes: Dict[Callable[..., Any], FrontEnd] = {}
+        for frontend in frontends:
+            for func in frontend.funcs:
+                self._routes[func] = frontend
+        self._emit = emit
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        frontend = self._routes.get(func)
+        if frontend is None:
+            return func(*args, **kwargs)
+        return frontend.handle(func, args, kwargs, self._emit)
+
+
+def default_frontends() -> List[FrontEnd]:
+    """The front ends every probe uses."""
+    from probe.capture.sdpa import SDPAFrontEnd
+
+    return [SDPAFrontEnd()]
+
+
+def is_mode_active(mode: Optional[TorchFunctionMode]) -> bool:
+    """Whether ``mode`` is on the current TorchFunctionMode stack (for tests and cleanup)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    return mode is not None and any(m is mode for m in _get_current_function_mode_stack())

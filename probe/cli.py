@@ -1,0 +1,60 @@
+"""The ``probe`` command line (also ``python -m probe``)."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import sys
+from typing import List, Optional
+
+__all__ = ["ExitCode", "main"]
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    VIOLATIONS = 1
+    USAGE = 2
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
+    return value
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from probe.demo import run_demo
+
+    run_demo(steps=args.steps, logdir=args.logdir, seed=args.seed)
+    return ExitCode.OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="probe", description="See what the 1/sqrt(d_k) scaling in attention does to your model.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo = sub.add_parser("demo", help="train a small transformer with and without scaling, log to TensorBoard")
+    demo.add_argument("--steps", type=_positive_int, default=200, help="training steps per run (default 200)")
+    demo.add_argument("--logdir", default="runs/demo", help="TensorBoard directory (default runs/demo)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exit_.code or 0)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return ExitCode.USAGE
+    return int(args.func(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

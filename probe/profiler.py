@@ -1,0 +1,424 @@
+"""Probe: attaches to a model, samples steps, wires capture → stats → sinks."""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import fnmatch
+import math
+import os
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Set, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from probe.call import AttentionCall, Scale
+from probe.capture.mode import CaptureMode, ModuleStack, default_frontends
+from probe.errors import ProbeError
+from probe.sinks.base import Sink, Worker
+from probe.stats.accumulator import Accumulator, State, merge_states, unpack
+from probe.stats.finalize import finalize
+from probe.stats.functional import forward_stats
+from probe.summary import SUMMARY_FILE, Summary
+
+__all__ = ["BUILTIN_SCALES", "Probe", "watch"]
+
+#: Scales every metric is reported at (DESIGN.md "Scales").
+BUILTIN_SCALES = ("actual", "unscaled", "standard")
+
+SitesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
+ExtraScale = Union[float, Callable[[int], float]]
+SiteKey = Tuple[str, int]  # (module name, call index within one invocation)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ProbeError(f"expected `{name}` to be {kind}, got {value!r}")
+    return value
+
+
+def _check_scales(scales: Optional[Mapping[str, ExtraScale]]) -> Dict[str, ExtraScale]:
+    if scales is None:
+        return {}
+    if not isinstance(scales, Mapping):
+        raise ProbeError(
+            f"expected `scales` to be a dict of name -> float or callable(d_k) -> float, got {type(scales).__name__}"
+        )
+    out: Dict[str, ExtraScale] = {}
+    for name, value in scales.items():
+        if not isinstance(name, str) or not name or any(c in name for c in "/@ "):
+            raise ProbeError(f"expected `scales` names to be non-empty strings without '/', '@' or spaces, got {name!r}")
+        if name in BUILTIN_SCALES:
+            raise ProbeError(f"`scales` name {name!r} is built in; choose another name")
+        if callable(value):
+            out[name] = value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[name] = float(value)
+        else:
+            raise ProbeError(f"expected `scales[{name!r}]` to be a finite float or a callable(d_k), got {value!r}")
+    return out
+
+
+def _site_predicate(sites: SitesFilter) -> Optional[Callable[[str], bool]]:
+    if sites is None:
+        return None
+    if isinstance(sites, str):
+        return lambda name: fnmatch.fnmatchcase(name, sites)
+    if isinstance(sites, (list, tuple, set, frozenset)) and all(isinstance(s, str) for s in sites):
+        patterns = list(sites)
+        return lambda name: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    if callable(sites):
+        return sites
+    raise ProbeError(f"expected `sites` to be a glob, a list of names/globs or a predicate, got {sites!r}")
+
+
+class Probe:
+    """Watches every attention computation of ``model`` on sampled steps.
+
+    Each forward of the root module is a step (or set it with :meth:`step`); on steps where
+    ``step % every == 0`` a TorchFunctionMode intercepts attention calls during the root
+    forward and per-head statistics accumulate on the tensors' device. Statistics are flushed to
+    the sinks when the next step begins (so a step's backward pass belongs to it), on
+    :meth:`summary` reads and on :meth:`close`.
+
+    Args:
+        model: the root module; it is not modified (two hooks on it, removed by ``close``).
+        logdir: a directory for TensorBoard events and ``probe_summary.json``, or an existing
+            ``SummaryWriter``; ``None`` keeps statistics in memory only.
+        every: probe one step in ``every``.
+        scales: extra named scales, ``{"half": 0.0625}`` or ``{"half": lambda d: 0.5 * d**-0.5}``.
+        grads: also measure gradients on sampled steps.
+        sites: keep only these sites: a glob, a list of names/globs, or a predicate on the name.
+        saturation: τ, a row counts as saturated when its max probability is at least τ.
+        per_head: also write per-head TensorBoard scalars.
+        flush_every: flush after this many sampled steps.
+        memory_budget: bytes of extra memory the statistics of one call may use (query rows are
+            processed in chunks that fit).
+        sinks: extra sinks receiving each flush (see :class:`probe.sinks.base.Sink`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        logdir: Any = None,
+        every: int = 1,
+        scales: Optional[Mapping[str, ExtraScale]] = None,
+        grads: bool = True,
+        sites: SitesFilter = None,
+        saturation: float = 0.99,
+        per_head: bool = False,
+        *,
+        flush_every: int = 1,
+        memory_budget: int = 64 * 2**20,
+        sinks: Sequence[Sink] = (),
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ProbeError(f"expected `model` to be a torch.nn.Module, got {type(model).__name__}")
+        self.every = _check_int("every", every, 1)
+        self.flush_every = _check_int("flush_every", flush_every, 1)
+        self.memory_budget = _check_int("memory_budget", memory_budget, 1)
+        if isinstance(saturation, bool) or not isinstance(saturation, (int, float)) or not 0 < saturation <= 1:
+            raise ProbeError(f"expected `saturation` to be a float in (0, 1], got {saturation!r}")
+        self.saturation = float(saturation)
+        self.extra_scales = _check_scales(scales)
+        self.grads = bool(grads)
+        self.per_head = bool(per_head)
+        self._sites_filter = sites
+        self._site_ok = _site_predicate(sites)
+        for sink in sinks:
+            if not isinstance(sink, Sink):
+                raise ProbeError(f"expected every sink to have write/flush/close, got {type(sink).__name__}")
+
+        self._logdir: Optional[str] = None
+        self._sinks: List[Sink] = []
+        if logdir is not None:
+            self._sinks.append(self._tensorboard_sink(logdir, per_head))
+        self._sinks.extend(sinks)
+
+        self.model = model
+        self._stack = ModuleStack(model)
+        self._frontends = default_frontends()
+        self._mode: Optional[CaptureMode] = None
+        self._acc = Accumulator()
+        self._infos: Dict[SiteKey, Dict[str, Any]] = {}
+        self._multi: Set[str] = set()  # modules seen issuing several calls in one invocation
+        self._lock = threading.Lock()
+        self._totals: Dict[str, State] = {}
+        self._total_infos: Dict[str, Dict[str, Any]] = {}
+        self._worker = Worker()
+        self._step = 0
+        self._started = False
+        self._auto_step = True
+        self._depth = 0
+        self._window: List[int] = []  # sampled steps whose statistics sit in the accumulator
+        self._probed_steps: Set[int] = set()
+        self._filtered_out: Set[str] = set()
+        self._warned_filter = False
+        self._closed = False
+        self._handles = [
+            model.register_forward_pre_hook(self._on_forward_start),
+            model.register_forward_hook(self._on_forward_end, always_call=True),
+        ]
+        ref = weakref.ref(self)
+        self._atexit = lambda: (lambda p: p.close() if p is not None else None)(ref())
+        atexit.register(self._atexit)
+
+    # -- construction helpers ----------------------------------------------------------------
+    def _tensorboard_sink(self, logdir: Any, per_head: bool) -> Sink:
+        from probe.sinks.tensorboard import TensorBoardSink
+
+        if hasattr(logdir, "add_scalar"):  # an existing SummaryWriter
+            self._logdir = logdir.get_logdir() if hasattr(logdir, "get_logdir") else None
+            return TensorBoardSink(logdir, per_head)
+        if not isinstance(logdir, (str, os.PathLike)):
+            raise ProbeError(f"expected `logdir` to be a path or a SummaryWriter, got {type(logdir).__name__}")
+        path = os.fspath(logdir)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ProbeError(f"expected `logdir` to be a directory, got a file: {path!r}")
+        self._logdir = path
+        return TensorBoardSink(path, per_head)
+
+    # -- steps ---------------------------------------------------------------------------------
+    @property
+    def current_step(self) -> int:
+        return self._step
+
+    def step(self, n: int) -> None:
+        """Set the step number: forwards until the next ``step`` call belong to step ``n``
+        (e.g. several micro-batches of gradient accumulation). Turns off automatic counting."""
+        self._step = _check_int("n", n, 0)
+        self._started = True
+        self._auto_step = False
+        self._maybe_flush()
+
+    def _sampled(self) -> bool:
+        return self._step % self.every == 0
+
+    def _maybe_flush(self) -> None:
+        # A window is complete once the step moved past it and it holds flush_every steps.
+        if self._window and self._window[-1] != self._step and len(self._window) >= self.flush_every:
+            self._flush()
+
+    # -- root hooks ----------------------------------------------------------------------------
+    def _on_forward_start(self, module: nn.Module, args: Any) -> None:
+        self._depth += 1
+        if self._depth > 1:  # the root called again from inside its own forward
+            return
+        if self._auto_step:
+            self._step = self._step + 1 if self._started else 0
+            self._started = True
+        self._maybe_flush()
+        if not self._sampled():
+            return
+        self._stack.activate()
+        self._mode = CaptureMode(self._frontends, self._emit)
+        self._mode.__enter__()
+
+    def _on_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0:
+            self._stop_capture()
+
+    def _stop_capture(self) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+        self._stack.deactivate()
+
+    # -- per call ------------------------------------------------------------------------------
+    def _scales_for(self, call: AttentionCall) -> Dict[str, Scale]:
+        scales: Dict[str, Scale] = {"actual": call.scale, "unscaled": 1.0, "standard": call.standard_scale}
+        for name, value in self.extra_scales.items():
+            scales[name] = float(value(call.d_k)) if callable(value) else value
+        return scales
+
+    def _emit(self, call: AttentionCall) -> None:
+        name, index = self._stack.next_site()
+        if index > 0:
+            self._multi.add(name)
+        call.site = self._site_name((name, index))
+        if self._site_ok is not None and not (self._site_ok(call.site) or self._site_ok(name)):
+            self._filtered_out.add(call.site)
+            return
+        try:
+            call.validate()
+        except ValueError as err:
+            self._worker.warn(f"probe: skipped an attention call at {call.site!r}: {err}")
+            return
+        with torch.no_grad():
+            fields = forward_stats(call, self._scales_for(call), self.saturation, self.memory_budget)
+        if not fields:
+            return
+        if isinstance(call.scale, Tensor):
+            fields["scale"] = call.scale.detach().reshape(-1).expand(call.heads).to(fields["rows"].dtype)
+        key = (name, index)
+        self._acc.add(key, fields)
+        info = self._infos.get(key)
+        if info is None:
+            info = self._infos[key] = {
+                "kind": call.kind, "heads": call.heads, "kv_heads": call.kv_heads, "d_k": call.d_k,
+                "scale": None, "calls": 0,
+            }
+            if call.softcap is not None:
+                info["softcap"] = call.softcap
+        if not isinstance(call.scale, Tensor):
+            info["scale"] = None if call.scale is None else float(call.scale)
+        info["calls"] += 1
+        if not self._window or self._window[-1] != self._step:
+            self._window.append(self._step)
+
+    def _site_name(self, key: SiteKey) -> str:
+        name, index = key
+        return f"{name}#{index + 1}" if name in self._multi else name
+
+    # -- flush -----------------------------------------------------------------------------------
+    def _flush(self) -> None:
+        """Pack the accumulator, start one device→host copy, hand the rest to the worker."""
+        window, self._window = self._window, []
+        self._check_filter()
+        if not self._acc:
+            return
+        flat, layout = self._acc.pack()
+        self._acc.reset()
+        names = {key: self._site_name(key) for key, _, _ in layout}
+        infos = copy.deepcopy(self._infos)
+        self._probed_steps.update(window)
+        host, event = _to_host(flat)
+        step = window[-1]
+        self._worker.submit(lambda: self._process(step, host, event, layout, names, infos))
+
+    def _process(self, step: int, host: Tensor, event: Any, layout: Any, names: Dict[Hashable, str],
+                 infos: Dict[SiteKey, Dict[str, Any]]) -> None:
+        if event is not None:
+            event.synchronize()
+        states = unpack(host.to(torch.float64), layout)
+        window: Dict[str, Dict[str, Any]] = {}
+        with self._lock:
+            for key, state in states.items():
+                name = names[key]
+                info = dict(infos[key])
+                if "scale" in state:
+                    info["scale"] = state["scale"].tolist()
+                merge_states(self._totals.setdefault(name, {}), {f: v.clone() for f, v in state.items()})
+                self._total_infos[name] = info
+                window[name] = {"info": info, "metrics": finalize(state)}
+        summary = Summary(window, steps=1)
+        for sink in self._sinks:
+            try:
+                sink.write(step, summary)
+            except Exception as err:  # noqa: BLE001 - a sink failure never breaks training
+                self._worker.warn(f"probe: sink {type(sink).__name__} failed at step {step}: {type(err).__name__}: {err}")
+
+    def _check_filter(self) -> None:
+        if self._warned_filter or self._site_ok is None or not self._filtered_out:
+            return
+        if not self._acc and not self._totals:
+            self._warned_filter = True
+            warnings.warn(
+                f"probe: `sites` filter {self._sites_filter!r} matched none of the attention sites seen: "
+                f"{', '.join(sorted(self._filtered_out))}",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    # -- results ---------------------------------------------------------------------------------
+    def summary(self) -> Summary:
+        """Metrics aggregated over every probed step so far (including the current one)."""
+        self._worker.join()
+        pending: Dict[str, State] = {}
+        if self._acc:
+            flat, layout = self._acc.pack()
+            for key, state in unpack(flat.detach().to("cpu", torch.float64), layout).items():
+                pending[self._site_name(key)] = state
+        with self._lock:
+            totals = {name: dict(state) for name, state in self._totals.items()}
+            infos = {name: dict(info) for name, info in self._total_infos.items()}
+        for name, state in pending.items():
+            merge_states(totals.setdefault(name, {}), state)
+        for key, info in self._infos.items():
+            name = self._site_name(key)
+            if name in totals:
+                merged = dict(info)
+                if "scale" in totals[name]:
+                    merged["scale"] = totals[name]["scale"].tolist()
+                infos[name] = merged
+        steps = len(self._probed_steps | set(self._window))
+        sites = {name: {"info": infos.get(name, {}), "metrics": finalize(totals[name])} for name in totals}
+        meta = {"every": self.every, "saturation": self.saturation, "scales": list(BUILTIN_SCALES) + list(self.extra_scales)}
+        return Summary(sites, steps=steps, meta=meta)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove every hook, flush, write ``probe_summary.json``. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._stop_capture()
+        try:
+            if self._window or self._acc:
+                self._flush()
+            self._worker.join()
+            for sink in self._sinks:
+                try:
+                    sink.close()
+                except Exception as err:  # noqa: BLE001
+                    self._worker.warn(f"probe: closing sink {type(sink).__name__} failed: {err}")
+            if self._logdir is not None:
+                try:
+                    os.makedirs(self._logdir, exist_ok=True)
+                    self.summary().save(os.path.join(self._logdir, SUMMARY_FILE))
+                except OSError as err:
+                    self._worker.warn(f"probe: could not write {SUMMARY_FILE} into {self._logdir!r}: {err}")
+        finally:
+            self._worker.stop()
+
+    def __enter__(self) -> "Probe":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Probe(every={self.every}, step={self._step}, closed={self._closed})"
+
+
+def _to_host(flat: Tensor) -> Tuple[Tensor, Any]:
+    """Start the one device→host copy of a flush; returns (host tensor, event to wait on)."""
+    flat = flat.detach()
+    if flat.device.type == "cuda":
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+    return flat.to("cpu"), None
+
+
+def watch(
+    model: nn.Module,
+    logdir: Any = None,
+    every: int = 1,
+    scales: Optional[Mapping[str, ExtraScale]] = None,
+    grads: bool = True,
+    sites: SitesFilter = None,
+    saturation: float = 0.99,
+    per_head: bool = False,
+    **options: Any,
+) -> Probe:
+    """Attach a :class:`Probe` to ``model``; use it as a context manager or call ``close()``.
+
+    Example:
+        >>> with probe.watch(model, logdir="runs/exp") as p:
+        ...     for batch in loader:
+        ...         model(**batch).loss.backward()
+        >>> p.summary().value("encoder.layer.0.attention.self", "entropy", "unscaled")
+    """
+    return Probe(model, logdir, every, scales, grads, sites, saturation, per_head, **options)

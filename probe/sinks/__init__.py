@@ -1,0 +1,1 @@
+"""Sinks: where flushed metrics go (TensorBoard, JSON summary, user sinks)."""
