@@ -238,6 +238,8 @@ class Probe:
 
     def _emit(self, call: AttentionCall) -> None:
         name, index = self._stack.next_site()
+        if not self._window or self._window[-1] != self._step:
+            self._window.append(self._step)
         if index > 0:
             self._multi.add(name)
         call.site = self._site_name((name, index))
@@ -268,8 +270,6 @@ class Probe:
         if not isinstance(call.scale, Tensor):
             info["scale"] = None if call.scale is None else float(call.scale)
         info["calls"] += 1
-        if not self._window or self._window[-1] != self._step:
-            self._window.append(self._step)
 
     def _site_name(self, key: SiteKey) -> str:
         name, index = key
@@ -282,11 +282,11 @@ class Probe:
         self._check_filter()
         if not self._acc:
             return
+        self._probed_steps.update(window)
         flat, layout = self._acc.pack()
         self._acc.reset()
         names = {key: self._site_name(key) for key, _, _ in layout}
         infos = copy.deepcopy(self._infos)
-        self._probed_steps.update(window)
         host, event = _to_host(flat)
         step = window[-1]
         self._worker.submit(lambda: self._process(step, host, event, layout, names, infos))
