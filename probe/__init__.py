@@ -6,6 +6,9 @@ from probe.errors import StabilityError
 from probe.profiler import Probe
 from probe.profiler import watch
 from probe.summary import Summary
+from probe.thresholds import Violation
+from probe.thresholds import assert_stable
+from probe.thresholds import check
 
 __version__ = "0.1.0"
 
@@ -15,6 +18,9 @@ __all__ = [
     "ProbeError",
     "StabilityError",
     "Summary",
+    "Violation",
     "__version__",
+    "assert_stable",
+    "check",
     "watch",
 ]
