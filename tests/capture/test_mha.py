@@ -1,0 +1,259 @@
+"""nn.MultiheadAttention in all of its paths and inside nn.Transformer*: capture, metrics, parity.
+
+Every reference here is rebuilt independently from the module's weights (projections, extra
+keys, masks) and scored by the plain float64 reference in tests/helpers.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import probe
+from probe.capture.mha import mha_forward
+from tests.helpers import reference_metrics
+
+E, H, L, S, B = 16, 4, 5, 6, 2
+METRICS = ("logit_var", "logit_max", "entropy", "max_prob", "saturation")
+
+
+class Holder(nn.Module):
+    """A root whose child ``attn`` is the MHA, so its site is ``"attn"``."""
+
+    def __init__(self, mha: nn.Module) -> None:
+        super().__init__()
+        self.attn = mha
+
+    def forward(self, *args, **kwargs):
+        return self.attn(*args, **kwargs)
+
+
+def _assert_clean(model: nn.Module) -> None:
+    from torch.overrides import _get_current_function_mode_stack
+
+    for name, m in model.named_modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            assert not getattr(m, attr), (name, attr)
+    assert not nn.modules.module._global_forward_hooks
+    assert not nn.modules.module._global_forward_pre_hooks
+    assert not _get_current_function_mode_stack()
+
+
+# -- an independent reference: projections, extra keys and masks rebuilt from the weights ------
+def _projections(mha: nn.MultiheadAttention, query, key, value):
+    """q (B, H, L, d), k (B, H, S', d) in float64 with bias_k / zero key appended."""
+    if not mha.batch_first and query.dim() == 3:
+        query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+    if query.dim() == 2:
+        query, key, value = query[None], key[None], value[None]
+    e = mha.embed_dim
+    if mha._qkv_same_embed_dim:
+        wq, wk = mha.in_proj_weight[:e], mha.in_proj_weight[e:2 * e]
+    else:
+        wq, wk = mha.q_proj_weight, mha.k_proj_weight
+    bq = bk = None
+    if mha.in_proj_bias is not None:
+        bq, bk = mha.in_proj_bias[:e], mha.in_proj_bias[e:2 * e]
+    q = query.double() @ wq.double().T + (0 if bq is None else bq.double())
+    k = key.double() @ wk.double().T + (0 if bk is None else bk.double())
+    b = q.shape[0]
+    if mha.bias_k is not None:
+        k = torch.cat([k, mha.bias_k.double().reshape(1, 1, e).expand(b, 1, e)], dim=1)
+    d = e // mha.num_heads
+    q = q.reshape(b, -1, mha.num_heads, d).transpose(1, 2)
+    k = k.reshape(b, -1, mha.num_heads, d).transpose(1, 2)
+    if mha.add_zero_attn:
+        k = torch.cat([k, torch.zeros(b, mha.num_heads, 1, d, dtype=k.dtype)], dim=2)
+    return q, k
+
+
+def _valid_and_bias(b, h, l, s_all, s, attn_mask=None, key_padding_mask=None, causal=False):
+    """Full (B, H, L, S') valid mask and float bias; extra keys (indices >= s) are always valid."""
+    valid = torch.ones(b, h, l, s_all, dtype=torch.bool)
+    bias = torch.zeros(b, h, l, s_all, dtype=torch.float64)
+    if causal:
+        valid[..., :s] &= torch.ones(l, s, dtype=torch.bool).tril()
+    if attn_mask is not None:
+        m = attn_mask if attn_mask.dim() == 3 else attn_mask.expand(b * h, l, s)
+        m = m.reshape(b, h, l, s)
+        if m.dtype == torch.bool:
+            valid[..., :s] &= ~m
+        else:
+            valid[..., :s] &= torch.isfinite(m)
+            bias[..., :s] += torch.where(torch.isfinite(m), m.double(), 0.0)
+    if key_padding_mask is not None:
+        kpm = key_padding_mask.reshape(b, 1, 1, s)
+        if kpm.dtype == torch.bool:
+            valid[..., :s] &= ~kpm
+        else:
+            valid[..., :s] &= torch.isfinite(kpm)
+            bias[..., :s] += torch.where(torch.isfinite(kpm), kpm.double(), 0.0)
+    return valid, bias
+
+
+def _weights_metrics(w: torch.Tensor, valid: torch.Tensor):
+    """entropy and max_prob per head from the probabilities MHA returned, float64, plain loops."""
+    w = w.detach().double().numpy()
+    valid = valid.numpy()
+    ent, mp = [], []
+    for h in range(w.shape[1]):
+        e_h, m_h = [], []
+        for b in range(w.shape[0]):
+            for i in range(w.shape[2]):
+                keys = np.nonzero(valid[b, h, i])[0]
+                if keys.size < 2:
+                    continue
+                p = w[b, h, i, keys]
+                nz = p[p > 0]
+                e_h.append(-(nz * np.log(nz)).sum() / math.log(keys.size))
+                m_h.append(p.max())
+        ent.append(np.mean(e_h))
+        mp.append(np.mean(m_h))
+    return np.array(ent), np.array(mp)
+
+
+def _check_metrics(summary, site, q, k, valid, bias, scale):
+    d = q.shape[-1]
+    for name, sigma in (("actual", scale), ("unscaled", 1.0), ("standard", d ** -0.5)):
+        ref = reference_metrics(q, k, sigma, valid, bias)
+        for metric in METRICS:
+            np.testing.assert_allclose(summary.value(site, metric, name), ref[metric], rtol=2e-4, atol=2e-5,
+                                       err_msg=f"{metric}@{name}")
+    assert summary.value(site, "nonfinite").sum() == 0
+
+
+# -- every MHA path -----------------------------------------------------------------------------
+CASES = {
+    "plain": dict(),
+    "seq_first": dict(batch_first=False),
+    "separate_kdim_vdim": dict(kdim=12, vdim=10, cross=True),
+    "cross_packed": dict(cross=True),
+    "bias_kv": dict(add_bias_kv=True),
+    "zero_attn": dict(add_zero_attn=True),
+    "bias_kv_zero_attn_padding": dict(add_bias_kv=True, add_zero_attn=True, kpm="bool"),
+    "kpm_bool": dict(kpm="bool"),
+    "kpm_float": dict(kpm="float"),
+    "mask2d_bool": dict(mask="2d_bool"),
+    "mask2d_float": dict(mask="2d_float"),
+    "mask3d_bool": dict(mask="3d_bool"),
+    "mask3d_float_kpm_float": dict(mask="3d_float", kpm="float"),
+    "causal": dict(causal=True),
+    "causal_kpm": dict(causal=True, kpm="float"),
+    "no_bias_eval": dict(bias=False, train=False),
+    "eval": dict(train=False),
+    "unbatched": dict(unbatched=True, kpm="bool"),
+}
+
+
+def _build(case: dict, need_weights: bool):
+    torch.manual_seed(1)
+    cross = case.get("cross", False)
+    kdim, vdim = case.get("kdim"), case.get("vdim")
+    mha = nn.MultiheadAttention(
+        # no dropout where the returned probabilities are compared (they are dropped out)
+        E, H, dropout=0.0 if need_weights else 0.1, bias=case.get("bias", True), add_bias_kv=case.get("add_bias_kv", False),
+        add_zero_attn=case.get("add_zero_attn", False), kdim=kdim, vdim=vdim,
+        batch_first=case.get("batch_first", True),
+    )
+    mha.train(case.get("train", True))
+    s = S if cross else L
+    if case.get("unbatched"):
+        query = torch.randn(L, E)
+        key = value = query
+        b = 1
+    else:
+        query = torch.randn(B, L, E)
+        key = torch.randn(B, s, kdim or E) if cross else query
+        value = torch.randn(B, s, vdim or E) if cross else query
+        if not mha.batch_first:
+            query, key, value = (t.transpose(0, 1).contiguous() for t in (query, key, value))
+            if not cross:
+                key = value = query
+        b = B
+    kwargs = {"need_weights": need_weights}
+    if need_weights:
+        kwargs["average_attn_weights"] = False
+    kpm = None
+    if case.get("kpm"):
+        kpm = torch.zeros(b, s, dtype=torch.bool)
+        kpm[-1, s - 2:] = True
+        if case["kpm"] == "float":
+            kpm = torch.where(kpm, -math.inf, 0.0)
+        kwargs["key_padding_mask"] = kpm[0] if case.get("unbatched") else kpm
+    mask = None
+    kind = case.get("mask")
+    if case.get("causal"):
+        mask = nn.Transformer.generate_square_subsequent_mask(L)
+        kwargs["attn_mask"], kwargs["is_causal"] = mask, True
+    elif kind:
+        shape = (L, s) if kind.startswith("2d") else (b * H, L, s)
+        bad = torch.rand(shape) < 0.3
+        bad[..., 0] = False  # every row keeps a key
+        mask = bad if kind.endswith("bool") else torch.where(bad, -math.inf, torch.randn(shape))
+        kwargs["attn_mask"] = mask
+    return mha, (query, key, value), kwargs, (b, s, mask, kpm)
+
+
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "sdpa"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_mha_path_matches_reference_and_keeps_outputs(name, need_weights):
+    case = CASES[name]
+    mha, inputs, kwargs, (b, s, mask, kpm) = _build(case, need_weights)
+    model = Holder(mha)
+    torch.manual_seed(7)  # the same dropout draw with and without probe
+    ref_out, ref_w = model(*inputs, **kwargs)  # grad enabled: PyTorch's unfused path, as under probe
+    torch.manual_seed(7)
+    with probe.watch(model) as p:
+        out, w = model(*inputs, **kwargs)
+    assert torch.equal(out, ref_out)
+    if need_weights:
+        assert torch.equal(w, ref_w)
+    s_ = p.summary()
+    assert s_.sites == ["attn"]
+    info = s_.info("attn")
+    assert info["kind"] == "mha" and info["heads"] == H and info["d_k"] == E // H and info["calls"] == 1
+    assert info["scale"] == pytest.approx(1 / math.sqrt(E // H), rel=1e-12)
+
+    q, k = _projections(mha, *inputs)
+    s_all = k.shape[2]
+    causal = case.get("causal", False)
+    valid, bias = _valid_and_bias(b, H, L, s_all, s, None if causal else mask, kpm, causal=causal)
+    _check_metrics(s_, "attn", q, k, valid, bias, 1 / math.sqrt(E // H))
+
+    if need_weights:  # the probabilities MHA itself returned agree with probe's softmax metrics
+        w4 = w.reshape(b, H, L, s_all)
+        ent, mp = _weights_metrics(w4, valid)
+        np.testing.assert_allclose(s_.value("attn", "entropy"), ent, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(s_.value("attn", "max_prob"), mp, rtol=1e-4, atol=1e-5)
+    _assert_clean(model)
+
+
+def test_mirror_is_bitwise_pytorch_with_static_kv_and_averaged_weights():
+    torch.manual_seed(2)
+    mha = nn.MultiheadAttention(E, H)
+    x = torch.randn(L, B, E)
+    static_k, static_v = torch.randn(B * H, S, E // H), torch.randn(B * H, S, E // H)
+    args = (x, x, x, E, H, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.0,
+            mha.out_proj.weight, mha.out_proj.bias)
+    for kw in (dict(static_k=static_k, static_v=static_v), dict(average_attn_weights=True), dict(need_weights=False)):
+        ref = F.multi_head_attention_forward(*args, **kw)
+        got = mha_forward(*args, **kw)
+        assert torch.equal(ref[0], got[0])
+        assert (ref[1] is None and got[1] is None) or torch.equal(ref[1], got[1])
+
+
+def test_bad_arguments_raise_pytorchs_own_errors():
+    mha = Holder(nn.MultiheadAttention(E, H, batch_first=True))
+    x = torch.randn(B, L, E)
+    with pytest.raises(RuntimeError) as ref:
+        mha(x, x, x, attn_mask=torch.zeros(L + 1, L))
+    with probe.watch(mha), pytest.raises(RuntimeError) as got:
+        mha(x, x, x, attn_mask=torch.zeros(L + 1, L))
+    assert str(got.value) == str(ref.value)
+    _assert_clean(mha)
