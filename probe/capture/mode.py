@@ -96,9 +96,10 @@ class CaptureMode(TorchFunctionMode):
 
 def default_frontends() -> List[FrontEnd]:
     """The front ends every probe uses."""
+    from probe.capture.mha import MHAFrontEnd
     from probe.capture.sdpa import SDPAFrontEnd
 
-    return [SDPAFrontEnd()]
+    return [SDPAFrontEnd(), MHAFrontEnd()]
 
 
 def is_mode_active(mode: Optional[TorchFunctionMode]) -> bool:
