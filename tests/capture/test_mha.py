@@ -257,3 +257,138 @@ def test_bad_arguments_raise_pytorchs_own_errors():
         mha(x, x, x, attn_mask=torch.zeros(L + 1, L))
     assert str(got.value) == str(ref.value)
     _assert_clean(mha)
+
+
+# -- nn.Transformer*: site names, fast paths, parity ----------------------------------------------
+def _layer_inputs(model: nn.Module, run):
+    """The (query, key) each MultiheadAttention of ``model`` receives, from PyTorch's unfused path."""
+    seen = {}
+    handles = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.MultiheadAttention):
+            def pre(mod, args, kwargs, name=name):
+                seen[name] = (mod, args[0].detach().clone(), args[1].detach().clone(), kwargs)
+            handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+    try:
+        torch.backends.mha.set_fastpath_enabled(False)
+        with torch.no_grad():
+            run()
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def test_transformer_encoder_eval_fast_path_left_within_1e6_and_metrics_match():
+    torch.manual_seed(3)
+    layer = nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(B, L, E)
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    kpm[1, 3:] = True
+    with torch.no_grad():
+        ref = model(x, src_key_padding_mask=kpm)  # PyTorch's nested-tensor fast path
+        with probe.watch(model) as p:
+            out = model(x, src_key_padding_mask=kpm)
+    ok = ~kpm
+    torch.testing.assert_close(out[ok], ref[ok], rtol=0, atol=1e-6)
+    assert torch.equal(ref[kpm], torch.zeros_like(ref[kpm]))  # the fast path's padding; documented
+    s_ = p.summary()
+    assert s_.sites == ["layers.0.self_attn", "layers.1.self_attn"]
+    inputs = _layer_inputs(model, lambda: model(x, src_key_padding_mask=kpm))
+    for site in s_.sites:
+        mha, query, key, _ = inputs[site]
+        q, k = _projections(mha, query, key, key)
+        valid, bias = _valid_and_bias(B, H, L, L, L, key_padding_mask=kpm)
+        _check_metrics(s_, site, q, k, valid, bias, 1 / math.sqrt(E // H))
+    _assert_clean(model)
+
+
+def test_mha_eval_fast_path_left_within_1e6():
+    mha = Holder(nn.MultiheadAttention(E, H, batch_first=True).eval())
+    x = torch.randn(B, L, E)
+    with torch.no_grad():
+        ref = mha(x, x, x, need_weights=False)[0]  # torch._native_multi_head_attention
+        with probe.watch(mha) as p:
+            out = mha(x, x, x, need_weights=False)[0]
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    assert p.summary().sites == ["attn"]
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder", "transformer"])
+def test_transformer_training_bitwise_outputs_grads_and_sites(kind):
+    torch.manual_seed(4)
+    kw = dict(dim_feedforward=32, dropout=0.1, batch_first=True)
+    src, tgt = torch.randn(B, L, E), torch.randn(B, S, E)
+    tgt_mask = nn.Transformer.generate_square_subsequent_mask(S)
+    if kind == "encoder":
+        model = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, **kw), 2, enable_nested_tensor=False)
+        run = lambda: model(src, is_causal=False)  # noqa: E731
+        sites = ["layers.0.self_attn", "layers.1.self_attn"]
+    elif kind == "decoder":
+        model = nn.TransformerDecoder(nn.TransformerDecoderLayer(E, H, **kw), 1)
+        run = lambda: model(tgt, src, tgt_mask=tgt_mask, tgt_is_causal=True)  # noqa: E731
+        sites = ["layers.0.multihead_attn", "layers.0.self_attn"]
+    else:
+        model = nn.Transformer(E, H, num_encoder_layers=1, num_decoder_layers=1, **kw)
+        run = lambda: model(src, tgt, tgt_mask=tgt_mask)  # noqa: E731
+        sites = ["decoder.layers.0.multihead_attn", "decoder.layers.0.self_attn", "encoder.layers.0.self_attn"]
+
+    def outputs_and_grads(probed):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(9)
+        p = probe.watch(model) if probed else None
+        out = run()
+        out.square().mean().backward()
+        summary = p.summary() if p else None
+        if p:
+            p.close()
+        return out.detach(), [t.grad.clone() for t in model.parameters()], summary
+
+    ref, ref_grads, _ = outputs_and_grads(False)
+    out, grads, s_ = outputs_and_grads(True)
+    assert torch.equal(out, ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    assert sorted(s_.sites) == sites
+    assert all(s_.info(site)["kind"] == "mha" for site in sites)
+    _assert_clean(model)
+
+
+def test_decoder_self_attention_causal_metrics_match_reference():
+    torch.manual_seed(5)
+    model = nn.TransformerDecoder(nn.TransformerDecoderLayer(E, H, 32, dropout=0.0, batch_first=True), 1).eval()
+    tgt, memory = torch.randn(B, S, E), torch.randn(B, L, E)
+    mask = nn.Transformer.generate_square_subsequent_mask(S)
+    with probe.watch(model) as p:
+        model(tgt, memory, tgt_mask=mask, tgt_is_causal=True)
+    s_ = p.summary()
+    inputs = _layer_inputs(model, lambda: model(tgt, memory, tgt_mask=mask, tgt_is_causal=True))
+    mha, query, key, _ = inputs["layers.0.self_attn"]
+    q, k = _projections(mha, query, key, key)
+    valid, bias = _valid_and_bias(B, H, S, S, S, causal=True)
+    _check_metrics(s_, "layers.0.self_attn", q, k, valid, bias, 1 / math.sqrt(E // H))
+    mha, query, key, _ = inputs["layers.0.multihead_attn"]
+    q, k = _projections(mha, query, key, key)
+    valid, bias = _valid_and_bias(B, H, S, L, L)
+    _check_metrics(s_, "layers.0.multihead_attn", q, k, valid, bias, 1 / math.sqrt(E // H))
+
+
+def test_fused_kernel_called_directly_warns_and_runs_unchanged():
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+
+    class Direct(nn.Module):
+        def forward(self, x):
+            return torch._native_multi_head_attention(
+                x, x, x, E, H, mha.in_proj_weight, mha.in_proj_bias, mha.out_proj.weight, mha.out_proj.bias,
+                None, False, True, None,
+            )[0]
+
+    model = Direct()
+    x = torch.randn(B, L, E)
+    with torch.no_grad():
+        ref = model(x)
+        with pytest.warns(UserWarning, match="_native_multi_head_attention.*NOT measured"):
+            with probe.watch(model):
+                out = model(x)
+    assert torch.equal(out, ref)
