@@ -5,11 +5,12 @@ from __future__ import annotations
 import queue
 import threading
 import warnings
-from typing import Any, Callable, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Dict, Iterator, Optional, Protocol, Set, Tuple, Type, runtime_checkable
 
+from probe.stats.finalize import head_reduce
 from probe.summary import Summary
 
-__all__ = ["Sink", "Worker"]
+__all__ = ["BaseSink", "Sink", "SinkGuard", "Worker", "head_scalars", "scalar_tag"]
 
 
 @runtime_checkable
@@ -30,6 +31,91 @@ class Sink(Protocol):
     def flush(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+class BaseSink:
+    """A convenient base: ``flush``/``close`` do nothing, context manager included. A user sink
+    then only defines ``write``::
+
+        class WandbSink(BaseSink):
+            def __init__(self, run):
+                self.run = run
+            def write(self, step, summary):
+                self.run.log(dict(head_scalars(summary)), step=step)
+    """
+
+    def write(self, step: int, summary: Summary) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "BaseSink":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def scalar_tag(metric: str, scale: str, site: str, head: Optional[int] = None) -> str:
+    """``probe/{metric}/{scale}/{site}``, or ``.../head{h:02d}`` for one head."""
+    tag = f"probe/{metric}/{scale}/{site}"
+    return tag if head is None else f"{tag}/head{head:02d}"
+
+
+def head_scalars(summary: Summary, per_head: bool = False) -> Iterator[Tuple[str, float]]:
+    """(tag, value) for every site, metric and scale of ``summary``, as probe writes them to
+    TensorBoard: the head mean (head max for ``logit_max``, sum for ``nonfinite``), and each
+    head when ``per_head``. Values may be NaN (nothing valid to average on that flush)."""
+    for site in summary.sites:
+        for metric in summary.metrics(site):
+            for scale in summary.scales(site, metric):
+                values = summary.value(site, metric, scale)
+                yield scalar_tag(metric, scale, site), head_reduce(metric, values)
+                if per_head:
+                    for h, v in enumerate(values):
+                        yield scalar_tag(metric, scale, site, h), float(v)
+
+
+class SinkGuard:
+    """Calls sink methods so that a failing sink never breaks training.
+
+    The first failure of each (sink, exception type) produces one warning saying what failed and
+    that the statistics stay available from ``Probe.summary()``; later failures of the same kind
+    are counted silently (a full disk would otherwise warn at every flush). The sink is still
+    called at later flushes, so it recovers when the cause goes away (space freed, directory
+    recreated).
+
+    Args:
+        warn: how to emit a warning (the worker's, so warnings are also deduplicated by text).
+    """
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
+        self._warn = warn
+        self._seen: Set[Tuple[int, Type[BaseException]]] = set()
+        self.failures: Dict[str, int] = {}
+
+    def call(self, sink: Any, method: str, *args: Any) -> bool:
+        """``getattr(sink, method)(*args)``; returns False (after at most one warning) if it raised."""
+        try:
+            getattr(sink, method)(*args)
+            return True
+        except Exception as err:  # noqa: BLE001 - a sink failure never breaks training
+            name = type(sink).__name__
+            self.failures[name] = self.failures.get(name, 0) + 1
+            key = (id(sink), type(err))
+            if key not in self._seen:
+                self._seen.add(key)
+                where = f"{method}() at step {args[0]}" if method == "write" and args else f"{method}()"
+                self._warn(
+                    f"probe: sink {name} failed in {where}: {type(err).__name__}: {err}. Training "
+                    f"continues and the statistics stay available from Probe.summary(); further "
+                    f"{type(err).__name__} failures of this sink are not reported."
+                )
+            return False
 
 
 class Worker:

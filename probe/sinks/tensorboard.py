@@ -1,19 +1,33 @@
-"""TensorBoard sink: ``probe/{metric}/{scale}/{site}`` scalars and the ``probe/sites`` table."""
+"""TensorBoard sink: scalars, heatmaps, histograms, a custom-scalars layout and the sites table.
+
+Tags (DESIGN.md "TensorBoard tags"):
+
+- ``probe/{metric}/{scale}/{site}``: head mean (head max for ``logit_max``, sum for ``nonfinite``)
+- ``probe/{metric}/{scale}/{site}/head{h:02d}``: per head, with ``per_head=True``
+- image ``probe_heatmap/{metric}/{scale}``: sites × heads (fixed colour range per metric, see
+  :mod:`probe.sinks.images`)
+- histogram ``probe_hist/{metric}/{scale}``: the values of all heads of all sites
+- a custom-scalars layout: category ``probe/{metric}``, one chart per site with every scale
+- text ``probe/sites``: the table of detected sites
+
+Every write runs on probe's background worker, never on the training thread.
+"""
 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional, Tuple, Union
+import re
+import time
+import warnings
+from typing import Any, Dict, List, Optional, Tuple, Union
 
-from probe.stats.finalize import head_reduce
+import numpy as np
+
+from probe.sinks.base import head_scalars, scalar_tag
+from probe.sinks.images import grid_of, render_heatmap
 from probe.summary import Summary
 
-__all__ = ["TensorBoardSink", "scalar_tag", "sites_table"]
-
-
-def scalar_tag(metric: str, scale: str, site: str, head: Optional[int] = None) -> str:
-    tag = f"probe/{metric}/{scale}/{site}"
-    return tag if head is None else f"{tag}/head{head:02d}"
+__all__ = ["TensorBoardSink", "custom_scalars_layout", "scalar_tag", "sites_table"]
 
 
 def _fmt_scale(scale: Any) -> str:
@@ -36,58 +50,179 @@ def sites_table(summary: Summary) -> str:
     return "\n".join(lines)
 
 
+def custom_scalars_layout(metric_sites: Dict[str, List[str]]) -> Dict[str, Dict[str, List[Any]]]:
+    """The ``SummaryWriter.add_custom_scalars`` layout: one category per metric, one Multiline
+    chart per site whose regex matches that site's head-summary scalar at every scale (actual,
+    unscaled, standard and any extra scale), so the three lines share one pair of axes.
+
+    Pitfall: site names contain regex characters (``.``, ``#``), hence ``re.escape``; the ``$``
+    anchor keeps the ``/headNN`` scalars of ``per_head=True`` out of the chart.
+    """
+    return {
+        f"probe/{metric}": {
+            site: ["Multiline", [f"^probe/{re.escape(metric)}/[^/]+/{re.escape(site)}$"]] for site in sites
+        }
+        for metric, sites in metric_sites.items()
+    }
+
+
 class TensorBoardSink:
-    """Writes each flush as TensorBoard scalars.
+    """Writes each flush to TensorBoard (see the module docstring for the tags).
 
     Args:
         logdir: a directory, or an existing ``torch.utils.tensorboard.SummaryWriter`` (probe
-            then writes beside the user's own scalars and never closes it).
+            then writes beside the user's own scalars, at the step probe was given, and never
+            closes it).
         per_head: also write ``.../head{h:02d}`` scalars.
+        images: write the ``probe_heatmap`` images.
+        histograms: write the ``probe_hist`` histograms.
+
+    Pitfall: a run has one custom-scalars layout; with a user's writer that already has its own
+    layout, the later one wins in TensorBoard's Custom Scalars tab.
     """
 
-    def __init__(self, logdir: Union[str, os.PathLike, Any], per_head: bool = False) -> None:
+    #: After an ``OSError`` (full disk, unwritable directory) flushes within this many seconds are
+    #: skipped (re-raising the error) before a new event file is tried: each failed try costs a
+    #: traceback from TensorBoard's own writer thread on stderr.
+    retry_seconds: float = 30.0
+
+    def __init__(
+        self,
+        logdir: Union[str, os.PathLike, Any],
+        per_head: bool = False,
+        images: bool = True,
+        histograms: bool = True,
+    ) -> None:
         self._target = logdir
         self._writer: Any = None
         self._owns = not hasattr(logdir, "add_scalar")
         self.per_head = per_head
+        self.images = images
+        self.histograms = histograms
         self._sites_written: Tuple[str, ...] = ()
+        self._layout_written: Dict[str, List[str]] = {}
         self._infos: Dict[str, Dict[str, Any]] = {}
+        self._event_file: Optional[str] = None
+        self._closed = False
+        self._failure: Optional[Tuple[float, OSError]] = None
 
     @property
     def writer(self) -> Any:
+        """The ``SummaryWriter``, created on first use (creating the directory)."""
         if self._writer is None:
             if self._owns:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._writer = SummaryWriter(log_dir=os.fspath(self._target))
+                self._event_file = _event_file(self._writer)
             else:
                 self._writer = self._target
+            self._sites_written, self._layout_written = (), {}
         return self._writer
 
     def write(self, step: int, summary: Summary) -> None:
-        w = self.writer
+        """Write one flush. An ``OSError`` (full disk, vanished directory) drops an owned writer
+        so the next flush starts a fresh event file, then propagates (the caller warns once)."""
+        self._closed = False
+        if self._failure is not None:
+            failed_at, err = self._failure
+            if time.monotonic() - failed_at < self.retry_seconds:
+                raise err
+        self._reopen_if_vanished()
+        try:
+            self._write(self.writer, step, summary)
+        except OSError as err:
+            self._drop_writer()
+            self._failure = (time.monotonic(), err)
+            raise
+        self._failure = None
+
+    def _write(self, w: Any, step: int, summary: Summary) -> None:
+        for tag, value in head_scalars(summary, self.per_head):
+            w.add_scalar(tag, value, step)
+        by_metric: Dict[Tuple[str, str], List[Tuple[str, np.ndarray]]] = {}
         for site in summary.sites:
             for metric in summary.metrics(site):
                 for scale in summary.scales(site, metric):
-                    values = summary.value(site, metric, scale)
-                    w.add_scalar(scalar_tag(metric, scale, site), head_reduce(metric, values), step)
-                    if self.per_head:
-                        for h, v in enumerate(values):
-                            w.add_scalar(scalar_tag(metric, scale, site, h), float(v), step)
+                    by_metric.setdefault((metric, scale), []).append((site, summary.value(site, metric, scale)))
+        for (metric, scale), rows in by_metric.items():
+            if self.images:
+                grid, _ = grid_of([v for _, v in rows])
+                image = render_heatmap(grid, [s for s, _ in rows], metric, scale, step)
+                w.add_image(f"probe_heatmap/{metric}/{scale}", image, step, dataformats="HWC")
+            if self.histograms:
+                values = np.concatenate([v for _, v in rows])
+                values = values[np.isfinite(values)]
+                if values.size:
+                    w.add_histogram(f"probe_hist/{metric}/{scale}", values, step)
+        self._write_layout(w, summary)
         for site in summary.sites:
             self._infos[site] = summary.info(site)
         if tuple(self._infos) != self._sites_written:
             table = Summary({s: {"info": i} for s, i in self._infos.items()})
             w.add_text("probe/sites", sites_table(table), step)
             self._sites_written = tuple(self._infos)
+        w.flush()  # on the worker thread: TensorBoard sees each flush without the training loop waiting
+
+    def _write_layout(self, w: Any, summary: Summary) -> None:
+        grown = False
+        for site in summary.sites:
+            for metric in summary.metrics(site):
+                sites = self._layout_written.setdefault(metric, [])
+                if site not in sites:
+                    sites.append(site)
+                    grown = True
+        if grown:
+            w.add_custom_scalars(custom_scalars_layout(self._layout_written))
+
+    def _reopen_if_vanished(self) -> None:
+        # An event file deleted under an open writer swallows every later event (the inode is
+        # unlinked); start a new file, which recreates the directory.
+        if self._writer is not None and self._event_file is not None and not os.path.exists(self._event_file):
+            warnings.warn(
+                f"probe: the TensorBoard event file {self._event_file!r} vanished (logdir deleted?); "
+                f"writing to a new event file from now on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self._drop_writer()
+
+    def _drop_writer(self) -> None:
+        if self._writer is not None and self._owns:
+            try:
+                self._writer.close()
+            except Exception:  # noqa: BLE001 - the writer is already broken; it is being replaced
+                pass
+            self._writer = None
+            self._event_file = None
 
     def flush(self) -> None:
         if self._writer is not None:
             self._writer.flush()
 
     def close(self) -> None:
+        """Flush; close the writer if probe created it. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
         if self._writer is not None:
-            self._writer.flush()
-            if self._owns:
-                self._writer.close()
-            self._writer = None
+            try:
+                self._writer.flush()
+            finally:
+                if self._owns:
+                    self._writer.close()
+                self._writer = None
+
+    def __enter__(self) -> "TensorBoardSink":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _event_file(writer: Any) -> Optional[str]:
+    """Path of the event file a ``SummaryWriter`` writes (None if this torch hides it)."""
+    try:
+        return writer._get_file_writer().event_writer._file_name  # noqa: SLF001
+    except AttributeError:
+        return None

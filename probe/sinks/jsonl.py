@@ -1,0 +1,122 @@
+"""Line-oriented sinks: JSON Lines and CSV, one record per step, site, metric and scale (and head).
+
+Both load straight into pandas (``pd.read_json(path, lines=True)``, ``pd.read_csv(path)``) or
+any tool that reads lines. Use them beside or instead of TensorBoard::
+
+    from probe.sinks.jsonl import JSONLSink
+    with probe.watch(model, sinks=[JSONLSink("runs/exp/probe.jsonl")]) as p:
+        ...
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from typing import IO, Any, Optional, Union
+
+from probe.errors import ProbeError
+from probe.sinks.base import BaseSink
+from probe.stats.finalize import head_reduce
+from probe.summary import Summary
+
+__all__ = ["CSVSink", "JSONLSink"]
+
+
+def _check_path(path: Any) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise ProbeError(f"expected `path` to be a file path, got {type(path).__name__}")
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ProbeError(f"expected `path` to be a file path, got a directory: {path!r}")
+    return path
+
+
+def _num(v: float) -> Optional[float]:
+    return None if math.isnan(v) else float(v)
+
+
+class _FileSink(BaseSink):
+    """Opens its file lazily on the first write (creating parent directories); flush and close
+    are safe to call at any time and twice."""
+
+    def __init__(self, path: Union[str, os.PathLike], append: bool = False) -> None:
+        self.path = _check_path(path)
+        self.append = bool(append)
+        self._file: Optional[IO[str]] = None
+
+    def _open(self) -> IO[str]:
+        if self._file is None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            fresh = not self.append or not os.path.exists(self.path) or os.path.getsize(self.path) == 0
+            self._file = open(self.path, "a" if self.append else "w", encoding="utf-8", newline="")
+            self.append = True  # a reopen after close continues the same file
+            if fresh:
+                self._header(self._file)
+        return self._file
+
+    def _header(self, f: IO[str]) -> None:
+        pass
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            f, self._file = self._file, None
+            f.close()
+
+
+class JSONLSink(_FileSink):
+    """One JSON object per (step, site, metric, scale)::
+
+        {"step": 5, "site": "layers.0", "metric": "entropy", "scale": "unscaled",
+         "value": 0.41, "heads": [0.38, 0.44], "steps": 1}
+
+    ``value`` is the head summary TensorBoard shows (mean; max for ``logit_max``; sum for
+    ``nonfinite``); ``heads`` the per-head values; NaN is written as ``null`` (strict JSON).
+
+    Args:
+        path: the ``.jsonl`` file (overwritten unless ``append``).
+        append: append to an existing file instead of starting a new one.
+    """
+
+    def write(self, step: int, summary: Summary) -> None:
+        f = self._open()
+        for site in summary.sites:
+            for metric in summary.metrics(site):
+                for scale in summary.scales(site, metric):
+                    values = summary.value(site, metric, scale)
+                    record = {
+                        "step": step, "site": site, "metric": metric, "scale": scale,
+                        "value": _num(head_reduce(metric, values)), "heads": [_num(v) for v in values],
+                        "steps": summary.steps,
+                    }
+                    f.write(json.dumps(record, allow_nan=False) + "\n")
+        f.flush()
+
+
+class CSVSink(_FileSink):
+    """Long-format CSV, one row per (step, site, metric, scale, head): the columns are
+    ``step,site,metric,scale,head,value`` (empty value for NaN).
+
+    Args:
+        path: the ``.csv`` file (overwritten unless ``append``).
+        append: append to an existing file instead of starting a new one (no second header).
+    """
+
+    COLUMNS = ("step", "site", "metric", "scale", "head", "value")
+
+    def _header(self, f: IO[str]) -> None:
+        csv.writer(f).writerow(self.COLUMNS)
+
+    def write(self, step: int, summary: Summary) -> None:
+        out = csv.writer(self._open())
+        for site in summary.sites:
+            for metric in summary.metrics(site):
+                for scale in summary.scales(site, metric):
+                    for head, v in enumerate(summary.value(site, metric, scale)):
+                        out.writerow((step, site, metric, scale, head, "" if math.isnan(v) else repr(float(v))))
+        self.flush()

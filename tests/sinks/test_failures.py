@@ -1,0 +1,238 @@
+"""Writing never blocks or breaks training: slow sinks, failing sinks, bad logdirs, interpreter exit."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import pytest
+
+import probe
+from probe.sinks.base import BaseSink
+from tests.sinks.sinkutil import RecordingSink, model_and_inputs, train_step
+
+
+def _probe_warnings(record):
+    return [str(w.message) for w in record if str(w.message).startswith("probe:")]
+
+
+def _steps_in_events(logdir, tag="probe/entropy/actual/layers.0"):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
+
+
+class SlowSink(BaseSink):
+    """Blocks in its first write until released (at most `patience` seconds)."""
+
+    def __init__(self, patience: float = 30.0) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.patience = patience
+        self.timed_out = False
+        self.steps: list = []
+
+    def write(self, step, summary):
+        self.entered.set()
+        if not self.release.wait(self.patience):
+            self.timed_out = True
+        self.steps.append(step)
+
+
+def test_training_thread_never_waits_on_a_slow_sink():
+    model, xs = model_and_inputs(6)
+    slow = SlowSink()
+    p = probe.watch(model, sinks=[slow])
+    try:
+        for x in xs:
+            train_step(model, x)
+        # every forward and backward has run while the sink still sits in its first write
+        assert slow.entered.wait(30), "the first flush never reached the sink"
+        assert slow.steps == [] and not slow.timed_out
+        assert p.current_step == 5
+    finally:
+        slow.release.set()
+        p.close()
+    assert not slow.timed_out  # released by the test, not by its patience running out
+    assert slow.steps == [0, 1, 2, 3, 4, 5]  # close flushed everything, in order
+    assert p.summary().steps == 6
+
+
+def test_a_raising_sink_warns_once_and_other_sinks_and_summary_are_intact():
+    class Broken(BaseSink):
+        calls = 0
+
+        def write(self, step, summary):
+            Broken.calls += 1
+            raise ValueError("cannot reach the tracking server")
+
+        def close(self):
+            raise RuntimeError("close failed too")
+
+    model, xs = model_and_inputs(4)
+    rec = RecordingSink()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with probe.watch(model, sinks=[Broken(), rec]) as p:
+            for x in xs:
+                train_step(model, x)
+    messages = _probe_warnings(record)
+    assert len(messages) == 2, messages  # one for write (4 failures), one for close
+    assert "sink Broken failed in write() at step 0: ValueError: cannot reach the tracking server" in messages[0]
+    assert "Probe.summary()" in messages[0]
+    assert "sink Broken failed in close(): RuntimeError" in messages[1]
+    assert Broken.calls == 4
+    assert [step for step, _ in rec.writes] == [0, 1, 2, 3]
+    assert p.summary().steps == 4 and "grad_q" in p.summary().metrics("layers.0")
+
+
+def test_unwritable_logdir_warns_and_keeps_statistics(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    logdir = blocker / "runs"  # mkdir fails with ENOTDIR, also as root
+    model, xs = model_and_inputs(3)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with probe.watch(model, logdir=logdir) as p:  # no error at construction
+            for x in xs:
+                train_step(model, x)
+            p.summary()  # drains the writer: the sink has failed three times by now
+            during = _probe_warnings(record)
+    assert len(during) == 1, during
+    assert "sink TensorBoardSink failed in write() at step 0: NotADirectoryError" in during[0]
+    after = _probe_warnings(record)[1:]
+    assert len(after) == 1 and "could not write probe_summary.json" in after[0]
+    assert p.summary().steps == 3 and p.summary().sites == ["layers.0", "layers.1"]
+
+
+def test_vanished_logdir_warns_once_and_writing_resumes_in_a_new_event_file(tmp_path):
+    logdir = tmp_path / "run"
+    model, xs = model_and_inputs(4)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with probe.watch(model, logdir=logdir) as p:
+            for x in xs[:2]:
+                train_step(model, x)
+            p.summary()  # step 0 reached the event file; step 1 is flushed when step 2 begins
+            shutil.rmtree(logdir)
+            for x in xs[2:]:
+                train_step(model, x)
+    messages = _probe_warnings(record)
+    assert len(messages) == 1 and "vanished" in messages[0], messages
+    assert _steps_in_events(logdir) == [1, 2, 3]
+    assert json.loads((logdir / "probe_summary.json").read_text())["steps"] == 4
+
+
+# TensorBoard's own writer thread prints each failed write to stderr; probe's warning is the one that counts
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_full_disk_warns_once_and_the_sink_recovers_when_space_returns(tmp_path, monkeypatch):
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    from probe.sinks.tensorboard import TensorBoardSink
+
+    original = RecordWriter.write
+    full = threading.Event()
+
+    def write(self, data):
+        if full.is_set():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return original(self, data)
+
+    monkeypatch.setattr(RecordWriter, "write", write)
+    monkeypatch.setattr(TensorBoardSink, "retry_seconds", 0.0)  # retry at every flush
+    model, xs = model_and_inputs(7)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with probe.watch(model, logdir=tmp_path) as p:
+            for i, x in enumerate(xs):
+                # step i - 1 is flushed when step i begins
+                if i == 2:
+                    p.summary()  # step 0 is on disk
+                    full.set()
+                if i == 5:
+                    p.summary()  # steps 1..3 met a full disk
+                    full.clear()
+                train_step(model, x)
+    messages = _probe_warnings(record)
+    assert len(messages) == 1, messages
+    assert "No space left on device" in messages[0] and "TensorBoardSink" in messages[0]
+    assert _steps_in_events(tmp_path) == [0, 4, 5, 6]  # before the disk filled and after it had room
+    assert p.summary().steps == 7  # nothing lost from the statistics
+
+
+ATEXIT_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import probe
+    from probe.sinks.jsonl import JSONLSink
+    from tests.sinks.sinkutil import model_and_inputs, train_step
+
+    model, xs = model_and_inputs(3)
+    p = probe.watch(model, logdir=sys.argv[1], sinks=[JSONLSink(sys.argv[2])])
+    for x in xs:
+        train_step(model, x)
+    print("exiting without close", flush=True)
+    """
+)
+
+
+def test_nothing_is_lost_when_the_interpreter_exits_without_close(tmp_path):
+    logdir, jsonl = tmp_path / "run", tmp_path / "probe.jsonl"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", ATEXIT_SCRIPT, str(logdir), str(jsonl)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "exiting without close" in done.stdout
+    assert _steps_in_events(logdir) == [0, 1, 2]
+    summary = probe.Summary.load(logdir)
+    assert summary.steps == 3 and "grad_v" in summary.metrics("layers.1")
+    steps = {json.loads(line)["step"] for line in jsonl.read_text().splitlines()}
+    assert steps == {0, 1, 2}
+
+
+def test_a_logdir_that_is_a_file_is_still_an_error_at_construction(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("")
+    model, _ = model_and_inputs(1)
+    with pytest.raises(probe.ProbeError, match="`logdir` to be a directory"):
+        probe.watch(model, logdir=f)
+
+
+def test_after_a_disk_error_the_sink_waits_before_trying_a_new_event_file(tmp_path, monkeypatch):
+    from probe.sinks.tensorboard import TensorBoardSink
+    from tests.sinks.sinkutil import reference_summary
+
+    summary = reference_summary(*model_and_inputs(1))
+    sink = TensorBoardSink(tmp_path)
+    opened = []
+
+    class FullWriter:
+        def __init__(self, log_dir):
+            opened.append(log_dir)
+
+        def add_scalar(self, *args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr("torch.utils.tensorboard.SummaryWriter", FullWriter)
+    for step in range(3):
+        with pytest.raises(OSError, match="No space left"):
+            sink.write(step, summary)
+    assert len(opened) == 1  # within retry_seconds the error is re-raised without a new file
+    monkeypatch.setattr(TensorBoardSink, "retry_seconds", 0.0)
+    with pytest.raises(OSError):
+        sink.write(3, summary)
+    assert len(opened) == 2
+    sink.close()

@@ -1,0 +1,179 @@
+"""The TensorBoard sink, read back with TensorBoard's own EventAccumulator."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import probe
+from probe.sinks.base import scalar_tag
+from probe.sinks.images import grid_of, render_heatmap
+from probe.sinks.tensorboard import custom_scalars_layout
+from probe.stats.finalize import head_reduce
+from tests.sinks.sinkutil import RecordingSink, model_and_inputs, reference_summary, train_step
+
+EVERYTHING = {"images": 0, "histograms": 0, "scalars": 0, "tensors": 0}
+
+
+def _events(logdir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance=EVERYTHING)
+    acc.Reload()
+    return acc
+
+
+def _layout(acc):
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(acc.Tensors(metadata.CONFIG_SUMMARY_TAG)[-1].tensor_proto.string_val[0])
+    return layout
+
+
+def test_every_tag_holds_the_values_of_each_step(tmp_path):
+    steps = 3
+    model, xs = model_and_inputs(steps)
+    with probe.watch(model, logdir=tmp_path, per_head=True) as p:
+        for x in xs:
+            train_step(model, x)
+    refs = [reference_summary(model, [x]) for x in xs]  # each step measured on its own
+    acc = _events(tmp_path)
+    tags = acc.Tags()
+    s = p.summary()
+    assert s.sites == ["layers.0", "layers.1"] and s.steps == steps
+    n_tags = 0
+    for site in s.sites:
+        for metric in s.metrics(site):
+            assert metric in refs[0].metrics(site)
+            for scale in s.scales(site, metric):
+                events = acc.Scalars(scalar_tag(metric, scale, site))
+                assert [e.step for e in events] == list(range(steps))
+                for e, ref in zip(events, refs):
+                    want = head_reduce(metric, ref.value(site, metric, scale))
+                    assert e.value == pytest.approx(want, rel=1e-4, abs=1e-6), (site, metric, scale, e.step)
+                for h in range(4):
+                    head_events = acc.Scalars(scalar_tag(metric, scale, site, h))
+                    got = [e.value for e in head_events]
+                    want = [ref.value(site, metric, scale)[h] for ref in refs]
+                    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+                n_tags += 5
+    assert len(tags["scalars"]) == n_tags
+    # the aggregate summary is the one-step reference over all inputs (variance combined exactly)
+    agg = reference_summary(model, xs)
+    np.testing.assert_allclose(s.value("layers.1", "logit_var", "unscaled"),
+                               agg.value("layers.1", "logit_var", "unscaled"), rtol=1e-5)
+
+    for metric in s.metrics("layers.0"):
+        for scale in s.scales("layers.0", metric):
+            hist = acc.Histograms(f"probe_hist/{metric}/{scale}")
+            assert [h.step for h in hist] == list(range(steps))
+            images = acc.Images(f"probe_heatmap/{metric}/{scale}")
+            assert [i.step for i in images] == list(range(steps))
+            for i, ref in enumerate(refs):
+                values = np.concatenate([ref.value(site, metric, scale) for site in ref.sites])
+                finite = values[np.isfinite(values)]
+                hv = hist[i].histogram_value
+                assert hv.num == finite.size == 8
+                assert hv.min == pytest.approx(finite.min(), rel=1e-4, abs=1e-6)
+                assert hv.max == pytest.approx(finite.max(), rel=1e-4, abs=1e-6)
+                assert hv.sum == pytest.approx(finite.sum(), rel=1e-4, abs=1e-6)
+            # the image of the last step is the heatmap of that step's values, pixel for pixel
+            decoded = np.asarray(Image.open(io.BytesIO(images[-1].encoded_image_string)).convert("RGB"))
+            grid, _ = grid_of([refs[-1].value(site, metric, scale) for site in s.sites])
+            expected = render_heatmap(grid, s.sites, metric, scale, steps - 1)
+            assert decoded.shape == expected.shape
+            # float32 events vs the float64 reference may move a colour by one step at most
+            assert np.abs(decoded.astype(int) - expected.astype(int)).max() <= 2
+
+    text = acc.Tensors("probe/sites/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert "| layers.0 | sdpa | 4 | 4 | 16 | 0.25 |" in text and "| layers.1 |" in text
+
+    layout = _layout(acc)
+    categories = {c.title: c for c in layout.category}
+    assert set(categories) == {f"probe/{m}" for m in s.metrics("layers.0")}
+    for metric in s.metrics("layers.0"):
+        charts = categories[f"probe/{metric}"].chart
+        assert [c.title for c in charts] == ["layers.0", "layers.1"]
+        for chart in charts:
+            (regex,) = chart.multiline.tag
+            matched = [t for t in tags["scalars"] if re.search(regex, t)]
+            assert sorted(matched) == sorted(scalar_tag(metric, sc, chart.title) for sc in s.scales(chart.title, metric))
+
+
+def test_layout_escapes_site_names_and_excludes_head_tags():
+    layout = custom_scalars_layout({"entropy": ["a.b#2"]})
+    (kind, (regex,)) = layout["probe/entropy"]["a.b#2"]
+    assert kind == "Multiline"
+    assert re.search(regex, "probe/entropy/unscaled/a.b#2")
+    assert re.search(regex, "probe/entropy/half/a.b#2")  # extra scales join the chart
+    assert not re.search(regex, "probe/entropy/unscaled/axb#2")
+    assert not re.search(regex, "probe/entropy/unscaled/a.b#2/head00")
+    assert not re.search(regex, "probe/logit_max/unscaled/a.b#2")
+
+
+def test_writes_beside_the_users_own_writer_at_their_global_step(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    model, xs = model_and_inputs(3)
+    writer = SummaryWriter(log_dir=str(tmp_path))
+    with probe.watch(model, logdir=writer) as p:
+        for i, x in enumerate(xs):
+            gs = 100 * (i + 1)
+            p.step(gs)
+            train_step(model, x)
+            writer.add_scalar("train/loss", float(i), gs)
+    writer.add_scalar("train/after_close", 1.0, 400)  # probe did not close the user's writer
+    writer.close()
+    assert p.summary().steps == 3
+    acc = _events(tmp_path)
+    assert [e.step for e in acc.Scalars("train/loss")] == [100, 200, 300]
+    assert [e.step for e in acc.Scalars("train/after_close")] == [400]
+    assert [e.step for e in acc.Scalars("probe/entropy/actual/layers.0")] == [100, 200, 300]
+    assert [e.step for e in acc.Images("probe_heatmap/entropy/unscaled")] == [100, 200, 300]
+    assert (tmp_path / "probe_summary.json").exists()
+
+
+def test_flush_every_aggregates_windows_and_writes_at_their_last_step(tmp_path):
+    model, xs = model_and_inputs(7)
+    rec = RecordingSink()
+    with probe.watch(model, logdir=tmp_path, flush_every=3, sinks=[rec]) as p:
+        for x in xs:
+            train_step(model, x)
+            # a window is handed to the sinks when the next window's first step begins
+    assert [step for step, _ in rec.writes] == [2, 5, 6]
+    assert [s.steps for _, s in rec.writes] == [3, 3, 1]
+    assert set(rec.threads) == {"probe-writer"}
+    assert rec.closed == 1
+    for (step, got), window in zip(rec.writes, (xs[0:3], xs[3:6], xs[6:7])):
+        ref = reference_summary(model, window)
+        for metric in ("logit_var", "logit_max", "entropy", "saturation", "grad_logits", "grad_q"):
+            np.testing.assert_allclose(got.value("layers.0", metric, "unscaled" if metric != "grad_q" else "actual"),
+                                       ref.value("layers.0", metric, "unscaled" if metric != "grad_q" else "actual"),
+                                       rtol=1e-4, atol=1e-6, err_msg=f"{metric} at {step}")
+    acc = _events(tmp_path)
+    assert [e.step for e in acc.Scalars("probe/max_prob/standard/layers.1")] == [2, 5, 6]
+    assert p.summary().steps == 7
+
+
+def test_every_and_flush_every_count_sampled_steps(tmp_path):
+    model, xs = model_and_inputs(8)
+    rec = RecordingSink()
+    with probe.watch(model, every=2, flush_every=2, sinks=[rec]):
+        for x in xs:
+            train_step(model, x)
+    assert [(step, s.steps) for step, s in rec.writes] == [(2, 2), (6, 2)]
+
+
+def test_sink_close_twice_and_context_manager(tmp_path):
+    from probe.sinks.tensorboard import TensorBoardSink
+
+    with TensorBoardSink(tmp_path) as sink:
+        sink.write(0, reference_summary(*model_and_inputs(1)))
+    sink.close()
+    sink.flush()
+    assert list(tmp_path.glob("events.out.tfevents.*"))
