@@ -38,6 +38,9 @@ class AttentionCall:
         output: the attention output ``(B, H, L, dv)``, for the backward hook.
         site: the qualified name of the module that issued the call.
         kind: which front end made the record: ``"sdpa"``, ``"eager"``, ``"mha"``.
+        logits: the softmax input ``(B, H, L, S)`` of an eager call whose scale could not be
+            recovered (``scale`` is then ``None``); probe reports such a call at ``actual`` only,
+            from these logits (see :mod:`probe.stats.eager_logits`). ``None`` otherwise.
     """
 
     q: Tensor
@@ -51,6 +54,7 @@ class AttentionCall:
     output: Optional[Tensor] = None
     site: str = "root"
     kind: str = "sdpa"
+    logits: Optional[Tensor] = None
 
     @property
     def heads(self) -> int:

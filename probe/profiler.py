@@ -158,6 +158,7 @@ class Probe:
         self._probed_steps: Set[int] = set()
         self._filtered_out: Set[str] = set()
         self._warned_filter = False
+        self._warned_unknown_scale: Set[str] = set()
         self._closed = False
         self._handles = [
             model.register_forward_pre_hook(self._on_forward_start),
@@ -252,7 +253,10 @@ class Probe:
             self._worker.warn(f"probe: skipped an attention call at {call.site!r}: {err}")
             return
         with torch.no_grad():
-            fields = forward_stats(call, self._scales_for(call), self.saturation, self.memory_budget)
+            if call.logits is not None:  # an eager softmax whose scale is unknown: `actual` only
+                fields = self._unknown_scale_stats(call)
+            else:
+                fields = forward_stats(call, self._scales_for(call), self.saturation, self.memory_budget)
         if not fields:
             return
         if isinstance(call.scale, Tensor):
@@ -270,6 +274,20 @@ class Probe:
         if not isinstance(call.scale, Tensor):
             info["scale"] = None if call.scale is None else float(call.scale)
         info["calls"] += 1
+
+    def _unknown_scale_stats(self, call: AttentionCall) -> State:
+        """Metrics at `actual` from an eager call's softmax input; warns once per site."""
+        from probe.stats.eager_logits import logits_stats
+
+        if call.site not in self._warned_unknown_scale:
+            self._warned_unknown_scale.add(call.site)
+            warnings.warn(
+                f"probe: the attention scale at site {call.site!r} could not be recovered from its eager "
+                "ops; it is reported at `actual` only, from the softmax input (info scale = None)",
+                UserWarning, stacklevel=2,
+            )
+        logits = call.logits
+        return {} if logits is None else logits_stats(logits, self.saturation, self.memory_budget)
 
     def _site_name(self, key: SiteKey) -> str:
         name, index = key

@@ -84,7 +84,18 @@ class CaptureMode(TorchFunctionMode):
         for frontend in frontends:
             for func in frontend.funcs:
                 self._routes[func] = frontend
+        self._frontends = list(frontends)
         self._emit = emit
+
+    def __exit__(self, *exc: Any) -> None:
+        # Front ends that track tensors during the forward (eager) forget them here.
+        try:
+            super().__exit__(*exc)
+        finally:
+            for frontend in self._frontends:
+                reset = getattr(frontend, "reset", None)
+                if reset is not None:
+                    reset()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -96,10 +107,11 @@ class CaptureMode(TorchFunctionMode):
 
 def default_frontends() -> List[FrontEnd]:
     """The front ends every probe uses."""
+    from probe.capture.eager import EagerFrontEnd
     from probe.capture.mha import MHAFrontEnd
     from probe.capture.sdpa import SDPAFrontEnd
 
-    return [SDPAFrontEnd(), MHAFrontEnd()]
+    return [SDPAFrontEnd(), EagerFrontEnd(), MHAFrontEnd()]
 
 
 def is_mode_active(mode: Optional[TorchFunctionMode]) -> bool:

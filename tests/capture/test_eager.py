@@ -1,0 +1,275 @@
+"""Eager attention capture: every written-out softmax(q·kᵀ·s + bias) pattern against float64."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import _get_current_function_mode_stack
+
+import probe
+from probe.capture.eager import EagerFrontEnd
+from tests.capture.timm_style import TinyViT
+from tests.helpers import reference_metrics
+
+B, H, L, D = 2, 4, 6, 8
+METRICS = ("logit_var", "logit_max", "entropy", "max_prob", "saturation")
+
+
+class Eager(nn.Module):
+    """One attention computation written out in the style named by ``style``; it stores the
+    q, k, scale, valid mask and bias the computation really used in ``self.seen``."""
+
+    def __init__(self, style: str, softcap: float = 5.0) -> None:
+        super().__init__()
+        self.style, self.softcap = style, softcap
+        self.qkv = nn.Linear(D * H, 3 * D * H)
+        self.head_scale = nn.Parameter(torch.linspace(0.2, 0.5, H))
+        nn.init.normal_(self.qkv.weight, std=0.6)
+        self.register_buffer("tril", torch.ones(L, L).tril().view(1, 1, L, L))
+        self.register_buffer("pos_bias", torch.randn(1, H, L, L))
+        self.register_buffer("alibi", torch.randn(B * H, 1, L))
+        self.seen: dict = {}
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
+        s = D ** -0.5
+        add = torch.zeros(B, 1, 1, L).masked_fill(~pad[:, None, None, :], torch.finfo(torch.float32).min)
+        causal = self.tril.bool()
+        full = torch.ones(B, H, L, L, dtype=torch.bool)
+        seen = dict(q=q, k=k, scale=s, valid=full & pad[:, None, None, :], bias=None, softcap=None)
+        style = self.style
+        if style == "hf":  # Llama / BERT / GPT-2 in transformers 5
+            att = torch.matmul(q, k.transpose(2, 3)) * s
+            att = att + add
+            att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
+        elif style == "gpt2_full":  # GPT-2 before transformers 4.4x: / torch.full([], sqrt(d)), where(...)
+            att = torch.matmul(q, k.transpose(-1, -2))
+            att = att / torch.full([], v.size(-1) ** 0.5, dtype=att.dtype)
+            att = torch.where(causal, att, torch.full([], torch.finfo(att.dtype).min))
+            att = nn.functional.softmax(att, dim=-1)
+            seen["valid"] = full & causal
+        elif style == "nanogpt":
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.tril[:, :, :L, :L] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            seen["valid"] = full & causal
+        elif style == "t5_inplace":  # scores += position_bias, scale 1
+            bias = self.pos_bias
+            att = torch.matmul(q, k.transpose(3, 2))
+            att += bias
+            att = att + add
+            att = torch.softmax(att.float(), dim=-1).type_as(att)
+            seen.update(scale=1.0, bias=bias)
+        elif style == "timm":
+            q = q * s
+            att = q @ k.transpose(-2, -1)
+            att = att.softmax(dim=-1)
+            seen["valid"] = full
+        elif style == "bmm":  # (B*H, L, d) layout: heads recovered from the reshape
+            att = torch.bmm(q.reshape(B * H, L, D), k.reshape(B * H, L, D).transpose(1, 2)) / math.sqrt(D)
+            att = att.view(B, H, L, L) + add
+            att = att.view(B * H, L, L).softmax(-1)
+            seen["valid"] = full & pad[:, None, None, :]
+        elif style == "baddbmm":  # Bloom-style alibi: baddbmm(bias, q, kᵀ, beta=1, alpha=s)
+            alibi = self.alibi
+            att = torch.baddbmm(alibi, q.reshape(B * H, L, D), k.reshape(B * H, L, D).transpose(1, 2), beta=1.0, alpha=s)
+            att = att.view(B, H, L, L).softmax(-1)
+            seen.update(valid=full, bias=alibi.view(B, H, 1, L))
+        elif style == "einsum":
+            att = torch.einsum("bhqd,bhkd->bhqk", q, k) * s
+            att = att.masked_fill(~pad[:, None, None, :], -1e9)
+            att = att.softmax(-1)
+        elif style == "einsum_blhd":
+            att = torch.einsum("bqhd,bkhd->bhqk", q.transpose(1, 2), k.transpose(1, 2)) * s
+            att = torch.softmax(att, -1)
+            seen["valid"] = full
+        elif style == "softcap":  # Gemma 2
+            att = torch.matmul(q, k.transpose(2, 3)) * s
+            att = att / self.softcap
+            att = torch.tanh(att)
+            att = att * self.softcap
+            att = att + add
+            att = F.softmax(att, dim=-1, dtype=torch.float32)
+            seen["softcap"] = self.softcap
+        elif style == "shifted":  # a row-max shift for stability is an additive bias
+            att = torch.matmul(q, k.transpose(-1, -2)) * s + add
+            shift = att.amax(-1, keepdim=True).detach()
+            att = att - shift
+            att = att.softmax(-1)
+            seen["bias"] = add - shift
+        elif style == "per_head":
+            att = torch.matmul(q, k.transpose(-1, -2)) * self.head_scale.view(1, H, 1, 1)
+            att = att.softmax(-1)
+            seen.update(valid=full, scale=self.head_scale.detach())
+        elif style == "unknown":  # a clamp the record cannot describe
+            att = (torch.matmul(q, k.transpose(-1, -2)) * s).clamp(max=1e4) + add
+            seen["logits"] = att
+            att = att.softmax(-1)
+        else:
+            raise ValueError(style)
+        self.seen = seen
+        out = att.reshape(B, H, L, L) @ v
+        return out.transpose(1, 2).reshape(B, L, H * D)
+
+
+def _batch():
+    torch.manual_seed(1)
+    x = torch.randn(B, L, D * H)
+    pad = torch.ones(B, L, dtype=torch.bool)
+    pad[1, -2:] = False
+    return x, pad
+
+
+def _reference(seen: dict, scale=None) -> dict:
+    s = seen["scale"] if scale is None else scale
+    q, k = seen["q"], seen["k"]
+    if isinstance(s, torch.Tensor):  # per head: fold the scale into q
+        q = q * s.view(1, -1, 1, 1)
+        s = 1.0
+    return reference_metrics(q, k, s, seen["valid"], seen["bias"], softcap=seen["softcap"])
+
+
+STYLES = ["hf", "gpt2_full", "nanogpt", "t5_inplace", "timm", "bmm", "baddbmm", "einsum", "einsum_blhd",
+          "softcap", "shifted", "per_head"]
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_pattern_matches_float64_reference(style):
+    model = Eager(style)
+    x, pad = _batch()
+    ref_out = model(x, pad)
+    with probe.watch(model) as p:
+        out = model(x, pad)
+    assert torch.equal(out, ref_out)  # the model computes exactly what it did without probe
+    s = p.summary()
+    assert s.sites == ["root"]
+    info = s.info("root")
+    assert info["kind"] == "eager" and info["heads"] == H and info["d_k"] == D
+    seen = model.seen
+    if isinstance(seen["scale"], torch.Tensor):
+        np.testing.assert_allclose(info["scale"], seen["scale"].numpy(), rtol=1e-6)
+    else:
+        np.testing.assert_allclose(np.asarray(info["scale"], dtype=float), seen["scale"], rtol=1e-6)
+    if seen["softcap"] is not None:
+        assert info["softcap"] == seen["softcap"]
+    ref = _reference(seen)
+    for metric in METRICS:
+        np.testing.assert_allclose(s.value("root", metric), ref[metric], rtol=2e-4, atol=1e-6, err_msg=metric)
+    # the counterfactual scales come from the same recovered q, k, bias and mask
+    unscaled = _reference(seen, scale=1.0)
+    for metric in METRICS:
+        np.testing.assert_allclose(s.value("root", metric, "unscaled"), unscaled[metric], rtol=2e-4, atol=1e-6)
+
+
+def test_output_layer_softmax_is_not_attention():
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.proj = nn.Linear(8, 16)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            tied = torch.matmul(h, self.emb.weight.t()).softmax(-1)  # tied output layer
+            linear = F.softmax(self.proj(h), dim=-1)
+            batched = h @ h.transpose(-1, -2)  # a product, but a softmax over dim 1
+            return tied, linear, torch.softmax(batched, dim=1)
+
+    model = Head()
+    with probe.watch(model) as p:
+        model(torch.randint(0, 16, (2, 5)))
+    assert p.summary().sites == []
+
+
+def test_unknown_scale_reported_from_softmax_input_with_one_warning():
+    model = Eager("unknown")
+    x, pad = _batch()
+    with pytest.warns(UserWarning, match=r"site 'root' could not be recovered") as record:
+        with probe.watch(model) as p:
+            model(x, pad)
+            model(x, pad)
+    assert sum("could not be recovered" in str(w.message) for w in record) == 1
+    s = p.summary()
+    assert s.info("root")["scale"] is None and s.info("root")["calls"] == 2
+    z = model.seen["logits"].detach().double()
+    valid = (z > torch.finfo(torch.float32).min / 2).expand(B, H, L, L)
+    # the reference sees Z as "logits at scale 1 on q = identity": build it plainly from Z
+    ref = {m: np.zeros(H) for m in METRICS}
+    for h in range(H):
+        vals = z[:, h][valid[:, h]].numpy()
+        ref["logit_var"][h], ref["logit_max"][h] = vals.var(), vals.max()
+        ents, maxps = [], []
+        for b in range(B):
+            for i in range(L):
+                row = z[b, h, i][valid[b, h, i]].numpy()
+                p_ = np.exp(row - row.max())
+                p_ /= p_.sum()
+                ents.append(-(p_ * np.log(p_)).sum() / math.log(row.size))
+                maxps.append(p_.max())
+        ref["entropy"][h], ref["max_prob"][h] = np.mean(ents), np.mean(maxps)
+        ref["saturation"][h] = np.mean(np.array(maxps) >= 0.99)
+    for metric in METRICS:
+        np.testing.assert_allclose(s.value("root", metric), ref[metric], rtol=2e-4, atol=1e-6, err_msg=metric)
+    assert "unscaled" not in s.to_dict()["sites"]["root"]["metrics"]["entropy"]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_timm_style_both_paths_same_metrics_and_scale(fused):
+    torch.manual_seed(0)
+    model = TinyViT().eval()
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.5)
+    x = torch.randn(2, 7, 32)
+    results = {}
+    for path in (True, False):
+        model.set_fused_attn(path)
+        ref_out = model(x)
+        with probe.watch(model) as p:
+            out = model(x)
+        assert torch.equal(out, ref_out)
+        results[path] = p.summary()
+    a, b = results[fused], results[not fused]
+    assert a.sites == b.sites == ["blocks.0.attn", "blocks.1.attn"]
+    for site in a.sites:
+        assert a.info(site)["scale"] == pytest.approx(model.blocks[0].attn.scale, rel=1e-7)
+        assert b.info(site)["scale"] == pytest.approx(model.blocks[0].attn.scale, rel=1e-7)
+        for metric in METRICS:
+            for scale in ("actual", "unscaled"):
+                np.testing.assert_allclose(a.value(site, metric, scale), b.value(site, metric, scale),
+                                           rtol=1e-4, atol=1e-6)
+    assert {a.info(s)["kind"] for s in a.sites} == {"sdpa" if fused else "eager"}
+
+
+def test_no_tensor_kept_and_no_hook_left():
+    model = Eager("hf")
+    x, pad = _batch()
+    with probe.watch(model) as p:
+        model(x, pad)
+        eager = next(f for f in p._frontends if isinstance(f, EagerFrontEnd))
+        assert not eager._table  # cleared when the capture mode exited
+    assert not _get_current_function_mode_stack()
+    assert not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_gradients_unchanged_and_q_grad_seen():
+    model = Eager("hf")
+    x, pad = _batch()
+    model(x, pad).square().sum().backward()
+    ref = [p_.grad.clone() for p_ in model.parameters() if p_.grad is not None]
+    model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no capture warning on a supported pattern
+        with probe.watch(model) as p:
+            model(x, pad).square().sum().backward()
+    got = [p_.grad for p_ in model.parameters() if p_.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(got, ref)) and len(got) == len(ref)
+    metrics = p.summary().to_dict()["sites"]["root"]["metrics"]
+    assert "grad_q" in metrics and "grad_k" in metrics
