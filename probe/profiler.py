@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from probe.call import AttentionCall, Scale
 from probe.capture.mode import CaptureMode, ModuleStack, default_frontends
 from probe.errors import ProbeError
-from probe.sinks.base import Sink, Worker
+from probe.sinks.base import Sink, SinkGuard, Worker
 from probe.stats.accumulator import Accumulator, State, merge_states, unpack
 from probe.stats.finalize import finalize
 from probe.stats.functional import forward_stats
@@ -150,6 +150,7 @@ class Probe:
         self._totals: Dict[str, State] = {}
         self._total_infos: Dict[str, Dict[str, Any]] = {}
         self._worker = Worker()
+        self._guard = SinkGuard(self._worker.warn)  # one warning per failing sink and error kind
         self._step = 0
         self._started = False
         self._auto_step = True
@@ -307,10 +308,11 @@ class Probe:
         infos = copy.deepcopy(self._infos)
         host, event = _to_host(flat)
         step = window[-1]
-        self._worker.submit(lambda: self._process(step, host, event, layout, names, infos))
+        steps = len(window)
+        self._worker.submit(lambda: self._process(step, host, event, layout, names, infos, steps))
 
     def _process(self, step: int, host: Tensor, event: Any, layout: Any, names: Dict[Hashable, str],
-                 infos: Dict[SiteKey, Dict[str, Any]]) -> None:
+                 infos: Dict[SiteKey, Dict[str, Any]], steps: int = 1) -> None:
         if event is not None:
             event.synchronize()
         states = unpack(host.to(torch.float64), layout)
@@ -324,12 +326,9 @@ class Probe:
                 merge_states(self._totals.setdefault(name, {}), {f: v.clone() for f, v in state.items()})
                 self._total_infos[name] = info
                 window[name] = {"info": info, "metrics": finalize(state)}
-        summary = Summary(window, steps=1)
+        summary = Summary(window, steps=steps)
         for sink in self._sinks:
-            try:
-                sink.write(step, summary)
-            except Exception as err:  # noqa: BLE001 - a sink failure never breaks training
-                self._worker.warn(f"probe: sink {type(sink).__name__} failed at step {step}: {type(err).__name__}: {err}")
+            self._guard.call(sink, "write", step, summary)  # a sink failure never breaks training
 
     def _check_filter(self) -> None:
         if self._warned_filter or self._site_ok is None or not self._filtered_out:
@@ -385,10 +384,7 @@ class Probe:
                 self._flush()
             self._worker.join()
             for sink in self._sinks:
-                try:
-                    sink.close()
-                except Exception as err:  # noqa: BLE001
-                    self._worker.warn(f"probe: closing sink {type(sink).__name__} failed: {err}")
+                self._guard.call(sink, "close")
             if self._logdir is not None:
                 try:
                     os.makedirs(self._logdir, exist_ok=True)
