@@ -5,6 +5,8 @@ import torch
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
+pytest_plugins = ["pytester"]  # end-to-end tests of probe's pytest plugin (tests/test_pytest_plugin.py)
+
 
 @pytest.fixture(autouse=True)
 def _seed():
