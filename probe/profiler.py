@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from probe.call import AttentionCall, Scale
+from probe.capture.grads import GradHooks
 from probe.capture.mode import CaptureMode, ModuleStack, default_frontends
 from probe.errors import ProbeError
 from probe.sinks.base import Sink, SinkGuard, Worker
@@ -150,6 +151,7 @@ class Probe:
         self._totals: Dict[str, State] = {}
         self._total_infos: Dict[str, Dict[str, Any]] = {}
         self._worker = Worker()
+        self._grad_hooks = GradHooks(self._add_grads, self._worker.warn)
         self._guard = SinkGuard(self._worker.warn)  # one warning per failing sink and error kind
         self._step = 0
         self._started = False
@@ -213,6 +215,8 @@ class Probe:
         if self._auto_step:
             self._step = self._step + 1 if self._started else 0
             self._started = True
+        if self._grad_hooks.step is not None and self._grad_hooks.step != self._step:
+            self._grad_hooks.remove()  # the previous step's backward is over (or never came)
         self._maybe_flush()
         if not self._sampled():
             return
@@ -253,17 +257,20 @@ class Probe:
         except ValueError as err:
             self._worker.warn(f"probe: skipped an attention call at {call.site!r}: {err}")
             return
+        scales = self._scales_for(call)
         with torch.no_grad():
             if call.logits is not None:  # an eager softmax whose scale is unknown: `actual` only
                 fields = self._unknown_scale_stats(call)
             else:
-                fields = forward_stats(call, self._scales_for(call), self.saturation, self.memory_budget)
+                fields = forward_stats(call, scales, self.saturation, self.memory_budget)
         if not fields:
             return
         if isinstance(call.scale, Tensor):
             fields["scale"] = call.scale.detach().reshape(-1).expand(call.heads).to(fields["rows"].dtype)
         key = (name, index)
         self._acc.add(key, fields)
+        if self.grads:
+            self._grad_hooks.register(call, key, self._step, scales, self.memory_budget)
         info = self._infos.get(key)
         if info is None:
             info = self._infos[key] = {
@@ -289,6 +296,15 @@ class Probe:
             )
         logits = call.logits
         return {} if logits is None else logits_stats(logits, self.saturation, self.memory_budget)
+
+    def _add_grads(self, key: SiteKey, step: int, fields: State) -> None:
+        """Fold backward fields (called from the hooks, inside backward) into the step's state."""
+        if step not in self._window:  # the window was flushed before this backward ran
+            self._window.append(step)
+        self._acc.add(key, fields)
+        info = self._infos.get(key)
+        if info is not None:
+            info["grad_kv_heads"] = info["kv_heads"]  # grad_k / grad_v have one value per kv head
 
     def _site_name(self, key: SiteKey) -> str:
         name, index = key
@@ -378,6 +394,7 @@ class Probe:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._grad_hooks.remove()
         self._stop_capture()
         try:
             if self._window or self._acc:

@@ -1,0 +1,127 @@
+"""Backward capture: tensor hooks on an attention call's output and on its q, k, v.
+
+On a sampled step, for every captured call that takes part in autograd, :class:`GradHooks`
+registers (during the forward):
+
+* a hook on the attention output: it receives ``∂L/∂out`` and computes ``grad_logits`` at every
+  scale from the call's (detached) q, k, v and mask (:func:`probe.stats.grads.grad_logits_stats`);
+* a hook on each of q, k, v that requires grad: it receives autograd's gradient for that tensor
+  and reduces it to per-head sums of squares (:func:`probe.stats.grads.head_sq`).
+
+Each hook only reads its gradient and returns ``None``, so gradients are unchanged. Every
+backward pass through a hooked call contributes (gradient accumulation over micro-batches,
+several ``backward(retain_graph=True)`` calls): the metrics are roots of the summed squares.
+
+Ownership: :class:`GradHooks` keeps every handle and removes them in :meth:`GradHooks.remove`
+(the profiler calls it when the next step's forward begins and on ``close``); removing twice is
+harmless, and a probe removes only its own hooks. Until then the hooks keep the call's q, k, v
+(and mask) alive, which the autograd graph keeps anyway, except under activation checkpointing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Hashable, List, Mapping, Optional
+
+import torch
+from torch import Tensor
+from torch.utils.hooks import RemovableHandle
+
+from probe.call import AttentionCall, Scale
+from probe.stats.grads import grad_logits_stats, head_sq
+
+__all__ = ["GradHooks"]
+
+#: ``add(site_key, step, fields)``: folds backward fields into the running state.
+AddFields = Callable[[Hashable, int, Dict[str, Tensor]], None]
+
+
+def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.detach()
+
+
+class GradHooks:
+    """Registers and owns the backward hooks of one probe.
+
+    Args:
+        add: receives ``(site key, step, fields)`` from inside backward.
+        warn: receives a message when a backward reduction fails (training is never broken by a
+            diagnostic).
+    """
+
+    def __init__(self, add: AddFields, warn: Callable[[str], None]) -> None:
+        self._add = add
+        self._warn = warn
+        self._handles: List[RemovableHandle] = []
+        self.step: Optional[int] = None
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def register(
+        self,
+        call: AttentionCall,
+        key: Hashable,
+        step: int,
+        scales: Mapping[str, Scale],
+        budget_bytes: int,
+    ) -> int:
+        """Hook ``call``'s output and q, k, v; returns how many hooks were registered.
+
+        Nothing is registered when grad mode is off or no tensor requires grad (inference), so
+        grad metrics are then absent, not zero. Tensors passed as more than one of q, k, v (the
+        same object) are skipped for grad_q/k/v: autograd gives only their summed gradient.
+        """
+        if not torch.is_grad_enabled():
+            return 0
+        before = len(self._handles)
+        self.step = step
+        out = call.output
+        if isinstance(out, Tensor) and out.requires_grad and call.v is not None:
+            # A slim copy of the record: detached tensors, no reference to `out` itself (the
+            # output holds the hook; a reference back would make a cycle only GC can free).
+            record = AttentionCall(
+                q=call.q.detach(), k=call.k.detach(), v=_detached(call.v), scale=call.scale,
+                bias=_detached(call.bias), mask=_detached(call.mask), causal=call.causal,
+                softcap=call.softcap, output=None, site=call.site, kind=call.kind,
+            )
+            scales = {n: s for n, s in scales.items() if s is not None}  # an unknown actual scale
+            self._handles.append(out.register_hook(self._output_hook(record, key, step, scales, budget_bytes)))
+        tensors = {"q": call.q, "k": call.k, "v": call.v}
+        for name, t in tensors.items():
+            if not isinstance(t, Tensor) or not t.requires_grad:
+                continue
+            if any(other is t for other_name, other in tensors.items() if other_name != name):
+                continue
+            self._handles.append(t.register_hook(self._input_hook(f"grad_{name}_sq", key, step)))
+        return len(self._handles) - before
+
+    def _output_hook(
+        self, record: AttentionCall, key: Hashable, step: int, scales: Dict[str, Scale], budget: int
+    ) -> Callable[[Tensor], None]:
+        def hook(grad: Tensor) -> None:
+            try:
+                with torch.no_grad():
+                    fields = grad_logits_stats(record, grad, scales, budget)
+                if fields:
+                    self._add(key, step, fields)
+            except Exception as err:  # noqa: BLE001 - a diagnostic never breaks training
+                self._warn(f"probe: grad_logits failed at {record.site!r}: {type(err).__name__}: {err}")
+
+        return hook
+
+    def _input_hook(self, field: str, key: Hashable, step: int) -> Callable[[Tensor], None]:
+        def hook(grad: Tensor) -> None:
+            try:
+                with torch.no_grad():
+                    self._add(key, step, {field: head_sq(grad)})
+            except Exception as err:  # noqa: BLE001
+                self._warn(f"probe: {field[:-3]} failed at {key!r}: {type(err).__name__}: {err}")
+
+        return hook
+
+    def remove(self) -> None:
+        """Remove every hook this object registered (harmless twice, and for freed tensors)."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        self.step = None

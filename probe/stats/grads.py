@@ -1,0 +1,174 @@
+"""Pure, on-device reductions of the backward pass of attention into per-head sums of squares.
+
+Two kinds of gradient are measured (DESIGN.md, "Metrics"):
+
+* ``grad_q``, ``grad_k``, ``grad_v``: the norms of what autograd computed for the tensors the
+  model passed to attention, per head (per kv head for k and v under grouped-query attention).
+  :func:`head_sq` reduces one such gradient.
+* ``grad_logits`` at every scale σ: the gradient the softmax passes back to its logits,
+
+  ``∂L/∂Z^σ = P^σ ⊙ (dP − rowsum(P^σ ⊙ dP))``  with  ``dP = (∂L/∂out) · vᵀ``,
+
+  where ``P^σ = softmax(Z^σ)`` over valid keys. ``dP`` is the gradient with respect to the
+  probabilities; it depends on the output gradient and on ``v`` only, so it is *held fixed*
+  across scales: the counterfactual scales answer "what would the softmax pass back, at this
+  scale, for the same upstream gradient". At ``actual`` it is exactly the gradient of the
+  model's logits (without attention dropout). :func:`grad_logits_stats` computes it.
+
+Everything here is a function of tensors: no state, no host synchronization, so it runs on
+``meta`` tensors. Logits are rebuilt in chunks of query rows
+(:func:`probe.stats.functional.iter_chunks`), so the extra memory is bounded by a byte budget
+whatever the sequence length.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from probe.call import AttentionCall, Scale
+from probe.stats.functional import accumulation_dtype, chunk_rows, iter_chunks
+
+__all__ = ["BACKWARD_METRICS", "grad_logits_chunk", "grad_logits_stats", "head_sq"]
+
+#: Metrics computed from the backward pass, in the order they are reported.
+BACKWARD_METRICS = ("grad_logits", "grad_q", "grad_k", "grad_v")
+
+# (B, H, rows, S) float32 buffers one backward chunk keeps alive at once: R, valid/bias, dP,
+# Z, exp(Z - m), P, P ⊙ dP, the gradient and its square.
+_BACKWARD_BUFFERS = 10
+
+
+def head_sq(grad: Tensor) -> Tensor:
+    """Per-head sum of squares of a ``(B, H, L, d)`` gradient, shape ``(H,)``.
+
+    ``‖g_h‖² = Σ_{b, i, j} g[b, h, i, j]²``, accumulated in float32 by the norm kernel (no
+    squared copy of ``g`` is materialized), then returned in the accumulation dtype.
+
+    Pitfall: a half-precision gradient squared in its own dtype overflows at 256; the norm's
+    ``dtype=float32`` upcasts inside the reduction.
+    """
+    norm = torch.linalg.vector_norm(grad, dim=(0, 2, 3), dtype=torch.float32)
+    return norm.to(accumulation_dtype(grad.device)).square()
+
+
+def _scale_view(scale: Scale, heads: int, like: Tensor) -> Scale:
+    if isinstance(scale, Tensor):
+        return scale.to(device=like.device, dtype=torch.float32).reshape(1, -1, 1, 1).expand(1, heads, 1, 1)
+    return float(scale)
+
+
+def _rows_times_kv(x: Tensor, kv_t: Tensor, kv_heads: int) -> Tensor:
+    """``x @ kv_t`` with query heads grouped onto kv heads: ``(B, H, l, d) @ (B, Hk, d, S)``."""
+    batch, heads, rows, dim = x.shape
+    groups = heads // kv_heads
+    if groups == 1:
+        return x @ kv_t
+    out = x.reshape(batch, kv_heads, groups, rows, dim) @ kv_t.unsqueeze(2)
+    return out.reshape(batch, heads, rows, kv_t.shape[-1])
+
+
+def grad_logits_chunk(
+    R: Tensor,
+    valid: Optional[Tensor],
+    bias: Optional[Tensor],
+    dP: Tensor,
+    scale: Scale,
+    softcap: Optional[float] = None,
+) -> Tensor:
+    """Per-head ``Σ (∂L/∂Z^σ)²`` over one chunk of query rows, shape ``(H,)``.
+
+    ``Z^σ = σR + A`` (``c·tanh(σR/c) + A`` with softcap ``c``), ``P = softmax(Z^σ)`` over valid
+    keys and ``∂L/∂Z^σ = P ⊙ (dP − rowsum(P ⊙ dP))``. Masked entries have ``P = 0`` and so no
+    gradient; a row with a single valid key has ``P = 1`` there and gradient 0.
+
+    Args:
+        R: raw dot products ``q·kᵀ`` in float32, ``(B, H, l, S)``.
+        valid: boolean, broadcastable to ``R``, or ``None`` (all valid).
+        bias: additive float32 bias with masked entries zeroed, broadcastable to ``R``, or ``None``.
+        dP: ``(∂L/∂out)·vᵀ`` for the same rows, ``(B, H, l, S)``, float32.
+        scale: σ, a float or a per-head 1-D tensor.
+        softcap: the logit soft-capping constant ``c`` or ``None``.
+
+    Pitfall: masked entries are removed with ``where`` before the exponential, never by
+    multiplying with 0, and a fully masked row divides by 1 instead of 0 (no NaN from 0/0).
+    """
+    s = _scale_view(scale, R.shape[1], R)
+    z = R * s
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    if bias is not None:
+        z = z + bias
+    if valid is not None:
+        z = torch.where(valid, z, -math.inf)
+    m = z.amax(-1, keepdim=True)
+    m = torch.where(m == -math.inf, 0.0, m)
+    e = torch.exp(z - m)
+    se = e.sum(-1, keepdim=True)
+    p = e / torch.where(se > 0, se, 1.0)
+    pdp = p * dP
+    g = p * (dP - pdp.sum(-1, keepdim=True))
+    return g.square().sum((0, 2, 3))
+
+
+def grad_logits_stats(
+    call: AttentionCall,
+    grad_output: Tensor,
+    scales: Mapping[str, Scale],
+    budget_bytes: int = 64 * 2**20,
+) -> Dict[str, Tensor]:
+    """``grad_logits_sq@{scale}`` for every scale: per-head sums of squares of ``∂L/∂Z^σ``.
+
+    One ``q·kᵀ`` and one ``dO·vᵀ`` per chunk of query rows serve every scale; scales with the
+    same value share one pass.
+
+    Args:
+        call: the attention computation (``q``, ``k``, ``v``, bias/mask, causal, softcap).
+        grad_output: ``∂L/∂out``, ``(B, H, L, dv)`` (what a hook on ``call.output`` receives).
+        scales: scale name → value.
+        budget_bytes: extra memory one chunk may use.
+
+    Returns:
+        ``{"grad_logits_sq@{name}": (H,) tensor}`` in the accumulation dtype; empty when the call
+        has no query rows or no ``v``.
+
+    Pitfall: with attention dropout the model's softmax gradient is masked and rescaled by the
+    dropout; this is the gradient without it (the actual scale is then an approximation).
+    """
+    if call.v is None:
+        return {}
+    q, k, v = call.q, call.k, call.v
+    batch, heads, length, _ = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    acc = accumulation_dtype(q.device)
+
+    groups: Dict[object, List[str]] = {}
+    for name, value in scales.items():
+        key = id(value) if isinstance(value, Tensor) else float(value)
+        groups.setdefault(key, []).append(name)
+
+    # iter_chunks sizes its chunks for the forward's live buffers; ask it for the row count that
+    # keeps the backward's larger set of buffers within the budget.
+    rows = max(1, budget_bytes // max(1, batch * heads * keys * 4 * _BACKWARD_BUFFERS))
+    forward_row_bytes = max(1, 2**40 // chunk_rows(batch, heads, keys, 2**40))
+    vt = v.float().transpose(-1, -2)  # (B, Hk, dv, S)
+    dout = grad_output.reshape(batch, heads, length, grad_output.shape[-1])
+
+    sums: Dict[str, Tensor] = {}
+    r0 = 0
+    for R, valid, bias in iter_chunks(call, rows * forward_row_bytes):
+        r1 = r0 + R.shape[2]
+        dP = _rows_times_kv(dout[:, :, r0:r1].float(), vt, kv_heads)
+        for names in groups.values():
+            part = grad_logits_chunk(R, valid, bias, dP, scales[names[0]], call.softcap).to(acc)
+            sums[names[0]] = part if names[0] not in sums else sums[names[0]] + part
+        r0 = r1
+    out: Dict[str, Tensor] = {}
+    for names in groups.values():
+        if names[0] in sums:
+            for name in names:
+                out[f"grad_logits_sq@{name}"] = sums[names[0]]
+    return out
