@@ -34,18 +34,19 @@ named in one warning per site: their attention is not measured.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import warnings
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from probe.call import AttentionCall
 
-__all__ = ["MHAFrontEnd", "mha_forward"]
+__all__ = ["MHAFrontEnd", "mha_forward", "nested_self_attention_call"]
 
 Emit = Callable[[AttentionCall], None]
 
@@ -261,6 +262,36 @@ def mha_forward(
     return attn_output, None
 
 
+def nested_self_attention_call(mha: nn.MultiheadAttention, x: Tensor) -> AttentionCall:
+    """The self-attention PyTorch's fused kernel computes for a nested (ragged) batch ``x``.
+
+    The fused kernels (``torch._native_multi_head_attention``,
+    ``torch._transformer_encoder_layer_fwd``) run without autograd and are opaque, so ``q`` and
+    ``k`` are recomputed from ``mha``'s packed projection on the zero-padded batch; entries of a
+    sequence beyond its own length (padding rows and keys) are masked out. The sequence lengths
+    are nested-tensor metadata kept on the host: reading them does not synchronize.
+
+    Args:
+        mha: the attention module (packed projection, ``batch_first``: what the fast path requires).
+        x: the nested input ``(B, L_i, E)`` the kernel attends over (after ``norm1`` when
+            ``norm_first``).
+    """
+    with torch.no_grad():
+        padded = x.to_padded_tensor(0.0)
+        bsz, length, _ = padded.shape
+        heads, head_dim = mha.num_heads, mha.head_dim
+        q, k, v = F.linear(padded, mha.in_proj_weight, mha.in_proj_bias).chunk(3, dim=-1)
+        q, k, v = (t.reshape(bsz, length, heads, head_dim).transpose(1, 2) for t in (q, k, v))
+        lengths = x._nested_tensor_size()[:, 0].to(padded.device, non_blocking=True)
+        inside = torch.arange(length, device=padded.device) < lengths.view(-1, 1)  # (B, L)
+        mask = (inside.unsqueeze(-1) & inside.unsqueeze(-2)).unsqueeze(1)  # (B, 1, L, L)
+    return AttentionCall(q=q, k=k, v=v, scale=1.0 / math.sqrt(head_dim), mask=mask, kind="mha")
+
+
+def _nested(t: Any) -> bool:
+    return isinstance(t, Tensor) and t.is_nested and t.layout == torch.strided
+
+
 _SIGNATURE = inspect.signature(mha_forward)
 _KNOWN = frozenset(name for name in _SIGNATURE.parameters if name != "emit")
 
@@ -297,6 +328,45 @@ class MHAFrontEnd:
             ))
             return func(*args, **kwargs)
         return mha_forward(*args, **kwargs, emit=emit)
+
+    def runs_fused(self, module: nn.Module, args: Tuple[Any, ...]) -> bool:
+        """Whether ``module`` gets a nested-tensor input, which only PyTorch's fused path accepts.
+
+        Then :class:`~probe.capture.mode.ModuleStack` lets it run outside the capture mode
+        (outputs bitwise unchanged) and :meth:`measure_fused` measures it instead.
+        """
+        if not args or not _nested(args[0]):
+            return False
+        if isinstance(module, nn.TransformerEncoderLayer):
+            return isinstance(module.self_attn, nn.MultiheadAttention)
+        return isinstance(module, nn.MultiheadAttention)
+
+    def measure_fused(self, module: nn.Module, name: str, args: Tuple[Any, ...], emit: Emit,
+                      site: Callable[[str], ContextManager[None]]) -> None:
+        """Emit the attention of a module that runs a fused kernel on nested input ``args[0]``.
+
+        A ``TransformerEncoderLayer`` is reported at its ``self_attn`` child's name, as on the
+        unfused path. A module PyTorch cannot run this way (masks with nested input, cross
+        attention) is left to raise PyTorch's own error.
+        """
+        x = args[0]
+        mha = module.self_attn if isinstance(module, nn.TransformerEncoderLayer) else module
+        if not mha._qkv_same_embed_dim or mha.in_proj_bias is None or len(args) > 1 and args[1] is not x:
+            return
+        try:
+            if isinstance(module, nn.TransformerEncoderLayer):
+                if module.norm_first:
+                    with torch.no_grad():
+                        x = module.norm1(x)
+                context: ContextManager[None] = site(f"{name}.self_attn")
+            else:
+                context = contextlib.nullcontext()
+            call = nested_self_attention_call(mha, x)
+        except (RuntimeError, ValueError, TypeError) as err:  # a diagnostic never breaks the model
+            self._warn_once(f"nested:{name}", f"probe: could not measure the fused attention of {name!r}: {err}")
+            return
+        with context:
+            emit(call)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

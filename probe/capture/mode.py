@@ -8,7 +8,8 @@ the qualified name of the innermost one.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -34,6 +35,7 @@ class ModuleStack:
         self._names: Dict[int, str] = {}
         self._stack: List[List[Any]] = []  # [module id, name, calls issued]
         self._handles: List[RemovableHandle] = []
+        self._suspended: Optional[Tuple[int, "CaptureMode"]] = None  # (module id, popped mode)
 
     def activate(self) -> None:
         # Re-read the module tree each sampled step: modules may have been added since.
@@ -49,6 +51,7 @@ class ModuleStack:
             handle.remove()
         self._handles = []
         self._stack = []
+        self._suspended = None
 
     @property
     def active(self) -> bool:
@@ -58,9 +61,44 @@ class ModuleStack:
         name = self._names.get(id(module))
         if name is not None and module is not self._root:  # the root is the stack's bottom
             self._stack.append([id(module), name, 0])
+            if self._suspended is None:
+                self._maybe_run_fused(module, name, args)
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._suspended is not None and self._suspended[0] == id(module):
+            torch._C._push_on_torch_function_stack(self._suspended[1])
+            self._suspended = None
         if len(self._stack) > 1 and self._stack[-1][0] == id(module):
+            self._stack.pop()
+
+    def _maybe_run_fused(self, module: nn.Module, name: str, args: Any) -> None:
+        """Let a module run PyTorch's fused kernel when only that path can run it.
+
+        A module whose input is a nested tensor (``nn.MultiheadAttention``,
+        ``nn.TransformerEncoderLayer``) must take its fast path, which an active TorchFunctionMode
+        forbids (``has_torch_function``). A front end with ``runs_fused(module, args)`` claims such a
+        module: the capture mode leaves the function-mode stack until the module returns, and the
+        front end's ``measure_fused(module, name, args, emit, site)`` measures it from its weights.
+        """
+        n = torch._C._len_torch_function_stack()
+        mode = torch._C._get_function_stack_at(n - 1) if n else None
+        if not isinstance(mode, CaptureMode):
+            return
+        claims = (f for f in dict.fromkeys(mode._routes.values()) if hasattr(f, "runs_fused"))
+        frontend = next((f for f in claims if f.runs_fused(module, args)), None)
+        if frontend is None:
+            return
+        torch._C._pop_torch_function_stack()
+        self._suspended = (id(module), mode)
+        frontend.measure_fused(module, name, args, mode._emit, self.named_site)
+
+    @contextlib.contextmanager
+    def named_site(self, name: str) -> Iterator[None]:
+        """Calls emitted inside are attributed to ``name`` (a child the fused kernel runs for)."""
+        self._stack.append([None, name, 0])
+        try:
+            yield
+        finally:
             self._stack.pop()
 
     def next_site(self) -> Tuple[str, int]:

@@ -392,3 +392,62 @@ def test_fused_kernel_called_directly_warns_and_runs_unchanged():
             with probe.watch(model):
                 out = model(x)
     assert torch.equal(out, ref)
+
+
+# -- nested-tensor input: only PyTorch's fused path accepts it --------------------------------------
+def _nested_batch():
+    return torch.nested.nested_tensor([torch.randn(L, E), torch.randn(L - 2, E)])
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("kind", ["mha", "layer", "layer_norm_first", "encoder"])
+def test_nested_input_runs_fused_path_bitwise_and_is_measured(kind):
+    torch.manual_seed(6)
+    layer = nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True, norm_first=kind == "layer_norm_first")
+    if kind == "mha":
+        inner = nn.MultiheadAttention(E, H, batch_first=True)
+        model = Holder(inner)
+        run = lambda x: model(x, x, x, need_weights=False)[0]  # noqa: E731
+        sites = ["attn"]
+    elif kind == "encoder":
+        model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        run = model
+        sites = ["layers.0.self_attn", "layers.1.self_attn"]
+    else:
+        model = nn.Sequential(layer)
+        run = model
+        sites = ["0.self_attn"]
+    model.eval()
+    x = _nested_batch()
+    attn_inputs = {}
+    hooked = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.TransformerEncoderLayer, nn.MultiheadAttention))]
+    def record(name):
+        def hook(module, args):
+            attn_inputs.setdefault(name, args[0])  # returns None: the args are unchanged
+        return hook
+
+    handles = [m.register_forward_pre_hook(record(n)) for n, m in hooked]
+    with torch.no_grad():
+        run(x)
+    for h in handles:
+        h.remove()
+    with torch.no_grad():
+        ref = run(x)  # PyTorch's fused path, without the recording hooks (they block the layer's)
+    with torch.no_grad(), probe.watch(model) as p:
+        out = run(x)
+    assert torch.equal(out.to_padded_tensor(0.0), ref.to_padded_tensor(0.0))
+    s_ = p.summary()
+    assert s_.sites == sites
+    lengths = [L, L - 2]
+    inside = torch.arange(L) < torch.tensor(lengths).view(-1, 1)
+    valid = (inside[:, None, :, None] & inside[:, None, None, :]).expand(B, H, L, L)
+    for site in sites:
+        owner = site[: -len(".self_attn")] if site.endswith(".self_attn") else site
+        mod = dict(model.named_modules())[owner]
+        mha = mod.self_attn if isinstance(mod, nn.TransformerEncoderLayer) else mod
+        xin = attn_inputs[owner].to_padded_tensor(0.0)
+        if isinstance(mod, nn.TransformerEncoderLayer) and mod.norm_first:
+            xin = mod.norm1(xin)
+        q, k = _projections(mha, xin, xin, xin)
+        _check_metrics(s_, site, q, k, valid, None, 1 / math.sqrt(E // H))
+    _assert_clean(model)
