@@ -154,7 +154,7 @@ class TensorBoardSink:
                 values = np.concatenate([v for _, v in rows])
                 values = values[np.isfinite(values)]
                 if values.size:
-                    w.add_histogram(f"probe_hist/{metric}/{scale}", values, step)
+                    w.add_histogram(f"probe_hist/{metric}/{scale}", values, step, bins="auto")
         self._write_layout(w, summary)
         for site in summary.sites:
             self._infos[site] = summary.info(site)
