@@ -3,12 +3,15 @@
 from probe.call import AttentionCall
 from probe.errors import ProbeError
 from probe.errors import StabilityError
+from probe.intervene import scaling
 from probe.profiler import Probe
 from probe.profiler import watch
 from probe.summary import Summary
 from probe.thresholds import Violation
 from probe.thresholds import assert_stable
 from probe.thresholds import check
+
+from probe import variants  # submodule: probe.variants.headwise, probe.variants.scale_bias
 
 __version__ = "0.1.0"
 
@@ -22,5 +25,6 @@ __all__ = [
     "__version__",
     "assert_stable",
     "check",
+    "scaling",
     "watch",
 ]

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from probe.call import AttentionCall
+from probe.intervene import sdpa_change
 
 __all__ = ["SDPAFrontEnd", "sdpa_call"]
 
@@ -57,15 +58,23 @@ def sdpa_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Optional[Te
 
 
 class SDPAFrontEnd:
-    """Intercepts ``F.scaled_dot_product_attention``: the model's own call runs unchanged."""
+    """Intercepts ``F.scaled_dot_product_attention``: the model's own call runs unchanged,
+    unless an intervention (``probe.scaling``, a variant) rewrites it; then the rewritten call
+    runs and is recorded with its effective scale."""
 
     funcs = (F.scaled_dot_product_attention,)
+    applies_overrides = True  # see CaptureMode.consults_overrides
 
     def handle(
         self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
         emit: Callable[[AttentionCall], None],
     ) -> Any:
-        output = func(*args, **kwargs)
+        change = sdpa_change(args, kwargs)  # None unless probe.scaling / a variant applies here
+        if change is not None:
+            output = change.run(func)
+            args, kwargs = change.record_args, change.record_kwargs
+        else:
+            output = func(*args, **kwargs)
         call = sdpa_call(args, kwargs, output)
         if call is not None:
             emit(call)
