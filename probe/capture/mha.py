@@ -209,6 +209,10 @@ def mha_forward(
     if need_weights:
         _, _, head_e = q.shape
         scale = math.sqrt(1.0 / float(head_e))
+        # The recorded (B, H, N, E) views are the tensors the computation continues from (views
+        # do not change values), so gradient hooks on them see the real gradients.
+        q4, k4, v4 = (_heads_view(t, bsz, num_heads) for t in (q, k, v))
+        q, k, v = (t.flatten(0, 1) for t in (q4, k4, v4))
         q_scaled = q * scale
         if is_causal and attn_mask is None:
             raise AssertionError("FIXME: is_causal not implemented for need_weights")
@@ -220,16 +224,13 @@ def mha_forward(
         attn_output_weights = F.softmax(attn_output_weights, dim=-1)
         if dropout_p > 0.0:
             attn_output_weights = F.dropout(attn_output_weights, p=dropout_p)
-        attn_output = torch.bmm(attn_output_weights, v)
+        out4 = _heads_view(torch.bmm(attn_output_weights, v), bsz, num_heads)
         if emit is not None:
             bias = None
             if attn_mask is not None:
                 bias = attn_mask.unsqueeze(0) if attn_mask.size(0) == 1 else _heads_view(attn_mask, bsz, num_heads)
-            emit(AttentionCall(
-                q=_heads_view(q, bsz, num_heads), k=_heads_view(k, bsz, num_heads), v=_heads_view(v, bsz, num_heads),
-                scale=scale, bias=bias, output=_heads_view(attn_output, bsz, num_heads), kind="mha",
-            ))
-        attn_output = attn_output.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
+            emit(AttentionCall(q=q4, k=k4, v=v4, scale=scale, bias=bias, output=out4, kind="mha"))
+        attn_output = out4.flatten(0, 1).transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
         attn_output = F.linear(attn_output, out_proj_weight, out_proj_bias)
         attn_output = attn_output.view(tgt_len, bsz, attn_output.size(1))
         attn_output_weights = attn_output_weights.view(bsz, num_heads, tgt_len, src_len)

@@ -451,3 +451,36 @@ def test_nested_input_runs_fused_path_bitwise_and_is_measured(kind):
         q, k = _projections(mha, xin, xin, xin)
         _check_metrics(s_, site, q, k, valid, None, 1 / math.sqrt(E // H))
     _assert_clean(model)
+
+
+# -- gradients: hooks on the exact q, k, v and attention output of the MHA graph -----------------------
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "sdpa"])
+def test_grad_metrics_match_float64_autograd_reference(need_weights):
+    torch.manual_seed(8)
+    mha = nn.MultiheadAttention(E, H, dropout=0.0, batch_first=True, add_bias_kv=True)
+    model = Holder(mha)
+    x = torch.randn(B, L, E)
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    kpm[1, -2:] = True
+    with probe.watch(model) as p:
+        out = model(x, x, x, key_padding_mask=kpm, need_weights=need_weights)[0]
+        out.square().mean().backward()
+    s_ = p.summary()
+
+    # float64 reference: the same attention written out, q, k, v and Z as leaves of the loss
+    d = E // H
+    q, k = _projections(mha, x, x, x)
+    v = x.double() @ mha.in_proj_weight[2 * E:].double().T + mha.in_proj_bias[2 * E:].double()
+    v = torch.cat([v, mha.bias_v.double().reshape(1, 1, E).expand(B, 1, E)], dim=1)
+    v = v.reshape(B, -1, H, d).transpose(1, 2)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    valid, _ = _valid_and_bias(B, H, L, L + 1, L, key_padding_mask=kpm)
+    z = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+    z.retain_grad()
+    att = torch.softmax(z.masked_fill(~valid, -math.inf), dim=-1) @ v
+    y = att.transpose(1, 2).reshape(B, L, E) @ mha.out_proj.weight.double().T + mha.out_proj.bias.double()
+    y.square().mean().backward()
+    for metric, grad in (("grad_q", q.grad), ("grad_k", k.grad), ("grad_v", v.grad), ("grad_logits", z.grad)):
+        ref = grad.square().sum((0, 2, 3)).sqrt().numpy()
+        np.testing.assert_allclose(s_.value("attn", metric), ref, rtol=1e-3, atol=1e-9, err_msg=metric)
+    _assert_clean(model)
