@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from probe.call import AttentionCall, Scale
 from probe.capture.grads import GradHooks
 from probe.capture.mode import CaptureMode, ModuleStack, default_frontends
+from probe.distributed import resolve_group
 from probe.errors import ProbeError
 from probe.sinks.base import Sink, SinkGuard, Worker
 from probe.stats.accumulator import Accumulator, State, merge_states, unpack
@@ -100,6 +101,11 @@ class Probe:
         memory_budget: bytes of extra memory the statistics of one call may use (query rows are
             processed in chunks that fit).
         sinks: extra sinks receiving each flush (see :class:`probe.sinks.base.Sink`).
+        group: under ``torch.distributed``, the process group whose ranks' statistics are reduced
+            at each flush (default: the default group when initialized with several ranks;
+            ``False``: per-rank statistics). Only rank 0 of the group writes (TensorBoard, sinks,
+            ``probe_summary.json``); every rank's :meth:`summary` is the global one as of the last
+            flush. Every rank must flush at the same steps (see ``docs/distributed.md``).
     """
 
     def __init__(
@@ -116,6 +122,7 @@ class Probe:
         flush_every: int = 1,
         memory_budget: int = 64 * 2**20,
         sinks: Sequence[Sink] = (),
+        group: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"expected `model` to be a torch.nn.Module, got {type(model).__name__}")
@@ -134,11 +141,14 @@ class Probe:
             if not isinstance(sink, Sink):
                 raise ProbeError(f"expected every sink to have write/flush/close, got {type(sink).__name__}")
 
+        self._dist = resolve_group(group)  # None: statistics stay local to this process
+        writes = self._dist is None or self._dist.rank == 0  # only rank 0 of the group writes
         self._logdir: Optional[str] = None
         self._sinks: List[Sink] = []
-        if logdir is not None:
+        if logdir is not None and writes:
             self._sinks.append(self._tensorboard_sink(logdir, per_head))
-        self._sinks.extend(sinks)
+        if writes:
+            self._sinks.extend(sinks)
 
         self.model = model
         self._stack = ModuleStack(model)
@@ -220,6 +230,10 @@ class Probe:
         self._maybe_flush()
         if not self._sampled():
             return
+        if self._dist is not None and (not self._window or self._window[-1] != self._step):
+            # Ranks must flush at the same steps: a sampled step opens the window even on a rank
+            # whose forward issues no attention call.
+            self._window.append(self._step)
         self._stack.activate()
         self._mode = CaptureMode(self._frontends, self._emit)
         self._mode.__enter__()
@@ -315,6 +329,9 @@ class Probe:
         """Pack the accumulator, start one device→host copy, hand the rest to the worker."""
         window, self._window = self._window, []
         self._check_filter()
+        if self._dist is not None:
+            self._flush_distributed(window)
+            return
         if not self._acc:
             return
         self._probed_steps.update(window)
@@ -326,6 +343,21 @@ class Probe:
         step = window[-1]
         steps = len(window)
         self._worker.submit(lambda: self._process(step, host, event, layout, names, infos, steps))
+
+    def _flush_distributed(self, window: List[int]) -> None:
+        """Reduce the window across the group's ranks (a collective, on the training thread, so
+        that it is ordered with the training's own collectives), then hand it to the worker."""
+        assert self._dist is not None
+        step = window[-1] if window else self._step
+        flat, layout, infos = self._dist.reduce(self._acc.states, self._infos, step)
+        self._acc.reset()
+        self._multi.update(self._dist.multi_names())  # "#n" suffixes as any rank saw them
+        if not layout:
+            return
+        self._probed_steps.update(window)
+        names = {key: self._site_name(key) for key, _, _ in layout}
+        steps = len(window)
+        self._worker.submit(lambda: self._process(step, flat, None, layout, names, infos, steps))
 
     def _process(self, step: int, host: Tensor, event: Any, layout: Any, names: Dict[Hashable, str],
                  infos: Dict[SiteKey, Dict[str, Any]], steps: int = 1) -> None:
@@ -360,10 +392,16 @@ class Probe:
 
     # -- results ---------------------------------------------------------------------------------
     def summary(self) -> Summary:
-        """Metrics aggregated over every probed step so far (including the current one)."""
+        """Metrics aggregated over every probed step so far (including the current one).
+
+        Under ``torch.distributed`` (a reducer is active) every rank returns the same global
+        summary as of the last flush: the current, unflushed window is another rank's business
+        until the next flush, and reading it here must not need a collective.
+        """
         self._worker.join()
+        local = self._dist is None
         pending: Dict[str, State] = {}
-        if self._acc:
+        if self._acc and local:
             flat, layout = self._acc.pack()
             for key, state in unpack(flat.detach().to("cpu", torch.float64), layout).items():
                 pending[self._site_name(key)] = state
@@ -372,14 +410,14 @@ class Probe:
             infos = {name: dict(info) for name, info in self._total_infos.items()}
         for name, state in pending.items():
             merge_states(totals.setdefault(name, {}), state)
-        for key, info in self._infos.items():
+        for key, info in self._infos.items() if local else ():
             name = self._site_name(key)
             if name in totals:
                 merged = dict(info)
                 if "scale" in totals[name]:
                     merged["scale"] = totals[name]["scale"].tolist()
                 infos[name] = merged
-        steps = len(self._probed_steps | set(self._window))
+        steps = len(self._probed_steps | (set(self._window) if local else set()))
         sites = {name: {"info": infos.get(name, {}), "metrics": finalize(totals[name])} for name in totals}
         meta = {"every": self.every, "saturation": self.saturation, "scales": list(BUILTIN_SCALES) + list(self.extra_scales)}
         return Summary(sites, steps=steps, meta=meta)
@@ -397,7 +435,14 @@ class Probe:
         self._grad_hooks.remove()
         self._stop_capture()
         try:
-            if self._window or self._acc:
+            if self._dist is not None:
+                # A collective: every rank closes and flushes, even one with nothing to add.
+                if self._dist.usable():
+                    self._flush()
+                elif self._window or self._acc:
+                    self._worker.warn("probe: torch.distributed was shut down before Probe.close(); the last "
+                                      "window of statistics was not reduced (close the probe first)")
+            elif self._window or self._acc:
                 self._flush()
             self._worker.join()
             for sink in self._sinks:

@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from probe.call import AttentionCall
 
-__all__ = ["CaptureMode", "FrontEnd", "ModuleStack"]
+__all__ = ["CaptureMode", "FrontEnd", "ModuleStack", "WRAPPER_ATTRS", "site_names"]
 
 FrontEnd = Any  # an object with ``funcs`` (a tuple of callables) and ``handle(func, args, kwargs, emit)``
 
@@ -39,7 +39,7 @@ class ModuleStack:
 
     def activate(self) -> None:
         # Re-read the module tree each sampled step: modules may have been added since.
-        self._names = {id(m): (name or "root") for name, m in self._root.named_modules()}
+        self._names = site_names(self._root)
         self._stack = [[id(self._root), "root", 0]]
         self._handles = [
             nn.modules.module.register_module_forward_pre_hook(self._push),
@@ -107,6 +107,29 @@ class ModuleStack:
         index = top[2]
         top[2] += 1
         return top[1], index
+
+
+#: Attributes through which wrappers hold the module they wrap: torch.compile's OptimizedModule,
+#: FSDP1, activation checkpointing. Sites are named as for the bare model.
+WRAPPER_ATTRS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def site_names(root: nn.Module) -> Dict[int, str]:
+    """id(module) → site name: its qualified name in ``root`` without wrapper segments.
+
+    ``DistributedDataParallel`` / ``DataParallel`` at the root hold the model as ``module``, so
+    ``probe.watch(ddp_model)`` names sites ``layers.0``, not ``module.layers.0``; so do the
+    :data:`WRAPPER_ATTRS` anywhere in the tree. The wrapped module itself is named like its
+    wrapper (a call issued directly by the wrapped root is ``root``).
+    """
+    parallel = isinstance(root, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+    names: Dict[int, str] = {}
+    for name, module in root.named_modules():
+        parts = [part for part in name.split(".") if part and part not in WRAPPER_ATTRS]
+        if parallel and parts and name.split(".")[0] == "module":
+            parts = parts[1:]
+        names[id(module)] = ".".join(parts) or "root"
+    return names
 
 
 class CaptureMode(TorchFunctionMode):

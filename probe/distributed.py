@@ -1,0 +1,273 @@
+"""Cross-rank reduction of probe's statistics under ``torch.distributed``.
+
+Each rank accumulates its own per-site state (:mod:`probe.stats.accumulator`). At a flush every
+rank of the group calls :meth:`Reducer.reduce`, which returns, on every rank, the state one
+process would have accumulated over the union of the ranks' batches:
+
+- counts and sums (``rows``, ``entropy@s``, ``grad_*_sq``, ``nonfinite``, ...) are added,
+- maxima (``logit_max@s``) are the maximum over ranks,
+- the moments ``logit@s`` = (n, mean, M2) are pooled exactly with the k-way form of Chan's
+  formula, ``n = Σ nᵢ``, ``mean = Σ nᵢ·meanᵢ / n``, ``M2 = Σ M2ᵢ + Σ nᵢ·(meanᵢ - mean)²``
+  (no ``Σx² - n·mean²`` cancellation: every term is a sum of non-negative numbers),
+- ``scale`` (last) is taken from the highest rank that has it.
+
+How (the cost of a flush): the ranks agree on one *global layout*, the ordered list of
+``(site, field, shape)`` any rank has ever produced. Each rank packs its state into that layout
+(identity values where it has nothing: 0 for sums and moments, -inf for maxima), appends one
+presence flag per entry, its cumulative call count per site, its step and the number of entries it
+holds that the layout lacks. One ``all_gather`` of that float64 tensor follows, then one
+device→host copy and the combine above on the host. In the steady state that is **one
+collective per flush**. When some rank reports unknown entries (the first flush, a new site, a
+branch taken on one rank only) every rank sees it in the gathered tensor, so all take the same
+path: one ``all_gather_object`` of the missing layout entries and a second ``all_gather``. Ranks
+that sample different numbers of calls, see different sequence lengths or different sites
+therefore never hang: the shapes of every collective are identical on every rank.
+
+Pitfall: collectives pair up by order, so **every rank must flush at the same steps**. They do
+when each rank runs the watched model's root forward the same number of times per step (or calls
+``p.step(n)`` with the same ``n``); a rank-0-only evaluation forward through the watched model
+would shift its steps. The step number travels with the data and a mismatch produces a warning.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Dict, Hashable, List, Optional, Set, Tuple
+
+import torch
+from torch import Tensor
+
+from probe.errors import ProbeError
+from probe.stats.accumulator import Layout, State, reduction
+
+__all__ = ["Reducer", "resolve_group"]
+
+Entry = Tuple[Hashable, str, Tuple[int, ...]]
+
+
+
+def _initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def resolve_group(group: Any) -> Optional["Reducer"]:
+    """The reducer for the ``group=`` option of :class:`probe.Probe`, or ``None`` for local statistics.
+
+    Args:
+        group: ``None`` (default): the default process group when ``torch.distributed`` is
+            initialized with more than one rank, else local statistics; a ``ProcessGroup``: that
+            group; ``False``: local statistics on every rank even under ``torch.distributed`` (each
+            rank is then a separate probe and writes its own ``logdir``).
+
+    Raises:
+        ProbeError: for a group that is not a ProcessGroup, or one given while
+            ``torch.distributed`` is not initialized.
+    """
+    if group is False:
+        return None
+    if group is None:
+        if not _initialized():
+            return None
+        group = torch.distributed.group.WORLD
+        if torch.distributed.get_world_size(group) == 1:
+            return None
+        return Reducer(group)
+    if isinstance(group, bool) or not isinstance(group, torch.distributed.ProcessGroup):
+        raise ProbeError(
+            f"expected `group` to be None, False or a torch.distributed.ProcessGroup, got {type(group).__name__}"
+        )
+    if not _initialized():
+        raise ProbeError("`group` was given but torch.distributed is not initialized; call init_process_group first")
+    return Reducer(group)
+
+
+def _identity(field: str, shape: Tuple[int, ...]) -> Tensor:
+    if reduction(field) == "max":
+        return torch.full(shape, -math.inf, dtype=torch.float64)
+    return torch.zeros(shape, dtype=torch.float64)
+
+
+def _numel(shape: Tuple[int, ...]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+class Reducer:
+    """Agrees on a global layout and reduces packed per-rank state across a process group.
+
+    Every public method that communicates is a collective: call it on every rank of the group,
+    the same number of times, in the same order.
+
+    Args:
+        group: the process group (rank 0 of this group is the one that writes).
+    """
+
+    def __init__(self, group: Any) -> None:
+        dist = torch.distributed
+        self.group = group
+        self.rank: int = dist.get_rank(group)
+        self.world: int = dist.get_world_size(group)
+        backend = str(dist.get_backend(group)).lower()
+        # NCCL only moves CUDA tensors; gloo and others gather on the host.
+        if "nccl" in backend:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        self.entries: List[Entry] = []
+        self._index: Dict[Tuple[Hashable, str], int] = {}
+        self.keys: List[Hashable] = []
+        self._key_index: Dict[Hashable, int] = {}
+        self.infos: Dict[Hashable, Dict[str, Any]] = {}
+        self.collectives = 0  # collectives issued so far (for tests and the cost table in the docs)
+        self._warned_steps = False
+
+    def usable(self) -> bool:
+        """Whether the process group can still communicate (not after destroy_process_group)."""
+        return _initialized()
+
+    # -- layout ----------------------------------------------------------------------------------
+    def _unknown(self, states: Dict[Hashable, State]) -> List[Tuple[Entry, Dict[str, Any]]]:
+        return [
+            ((key, field, tuple(value.shape)), {})
+            for key, state in states.items()
+            for field, value in state.items()
+            if (key, field) not in self._index
+        ]
+
+    def _agree(self, states: Dict[Hashable, State], infos: Dict[Hashable, Dict[str, Any]]) -> None:
+        """Exchange the entries some rank lacks (one ``all_gather_object``) and extend the layout
+        in rank order, so that every rank builds the same layout."""
+        mine = [
+            # Info travels with the layout (it is static per site); "calls" is summed every flush.
+            (entry, {k: v for k, v in infos.get(entry[0], {}).items() if k != "calls"})
+            for entry, _ in self._unknown(states)
+        ]
+        gathered: List[Any] = [None] * self.world
+        torch.distributed.all_gather_object(gathered, mine, group=self.group)
+        self.collectives += 1
+        for rank_entries in gathered:
+            for (key, field, shape), info in rank_entries:
+                if key not in self._key_index:
+                    self._key_index[key] = len(self.keys)
+                    self.keys.append(key)
+                self.infos.setdefault(key, {}).update(info)
+                if (key, field) in self._index:
+                    if self.entries[self._index[key, field]][2] != shape:
+                        raise ProbeError(
+                            f"site {key!r} field {field!r} has shape {shape} on one rank and "
+                            f"{self.entries[self._index[key, field]][2]} on another: the ranks run different models"
+                        )
+                    continue
+                self._index[key, field] = len(self.entries)
+                self.entries.append((key, field, shape))
+
+    def multi_names(self) -> Set[str]:
+        """Module names that issued several calls per invocation on some rank (``#n`` suffixes)."""
+        return {key[0] for key in self.keys if isinstance(key, tuple) and len(key) == 2 and key[1] > 0}
+
+    # -- pack / gather ---------------------------------------------------------------------------
+    def _pack(self, states: Dict[Hashable, State], infos: Dict[Hashable, Dict[str, Any]], step: int) -> Tensor:
+        """values (global layout, identity-filled) | presence per entry | calls per site | step, unknown."""
+        # Pack where the state lives (the model's device) and move once: one transfer, not one per field.
+        device = next((v.device for state in states.values() for v in state.values()), self.device)
+        parts: List[Tensor] = []
+        present = [0.0] * len(self.entries)
+        for i, (key, field, shape) in enumerate(self.entries):
+            value = states.get(key, {}).get(field)
+            if value is None:
+                parts.append(_identity(field, shape).reshape(-1).to(device))
+            else:
+                parts.append(value.detach().reshape(-1).to(torch.float64))
+                present[i] = 1.0
+        calls = [float(infos.get(key, {}).get("calls", 0)) for key in self.keys]
+        tail = present + calls + [float(step), float(len(self._unknown(states)))]
+        parts.append(torch.tensor(tail, dtype=torch.float64).to(device))
+        return torch.cat(parts).to(self.device)
+
+    def _all_gather(self, flat: Tensor) -> Tensor:
+        out = torch.empty((self.world, flat.numel()), dtype=flat.dtype, device=flat.device)
+        try:
+            torch.distributed.all_gather_into_tensor(out, flat, group=self.group)
+        except (RuntimeError, NotImplementedError, AttributeError):  # backends without _allgather_base
+            torch.distributed.all_gather(list(out.unbind(0)), flat, group=self.group)
+        self.collectives += 1
+        return out
+
+    def reduce(
+        self, states: Dict[Hashable, State], infos: Dict[Hashable, Dict[str, Any]], step: int
+    ) -> Tuple[Tensor, Layout, Dict[Hashable, Dict[str, Any]]]:
+        """Reduce this rank's state with every other rank's (a collective; see the module doc).
+
+        Args:
+            states: this rank's accumulator states (site key → field → per-head tensor); may be empty.
+            infos: this rank's site infos; ``calls`` is the cumulative number of calls.
+            step: the step this flush closes (all ranks should pass the same).
+
+        Returns:
+            ``(flat, layout, infos)``: the global state of the sites present on some rank, packed
+            on the host in float64 as :func:`probe.stats.accumulator.unpack` reads it, and the
+            global infos (``calls`` summed over ranks) of those sites.
+        """
+        while True:
+            host = self._all_gather(self._pack(states, infos, step)).to("cpu", torch.float64)
+            if not bool((host[:, -1] > 0).any()):
+                break
+            self._agree(states, infos)  # every rank saw the same flags: all take this branch
+        steps = host[:, -2]
+        if not self._warned_steps and bool((steps != steps[0]).any()):
+            self._warned_steps = True
+            warnings.warn(
+                f"probe: ranks flushed at different steps ({[int(s) for s in steps.tolist()]}); statistics of "
+                "different steps were combined. Run the watched model's root forward the same number of times "
+                "on every rank, or call p.step(n) with the same n on every rank.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return self._combine(host)
+
+    # -- combine (host, float64) -------------------------------------------------------------
+    def _combine(self, host: Tensor) -> Tuple[Tensor, Layout, Dict[Hashable, Dict[str, Any]]]:
+        sizes = [_numel(shape) for _, _, shape in self.entries]
+        total = sum(sizes)
+        presence = host[:, total : total + len(self.entries)] > 0
+        calls = host[:, total + len(self.entries) : total + len(self.entries) + len(self.keys)].sum(0)
+        parts: List[Tensor] = []
+        layout: Layout = []
+        offset = 0
+        for i, ((key, field, shape), size) in enumerate(zip(self.entries, sizes)):
+            values = host[:, offset : offset + size].reshape(self.world, *shape)
+            offset += size
+            here = presence[:, i]
+            if not bool(here.any()):
+                continue
+            parts.append(combine_ranks(field, values, here).reshape(-1))
+            layout.append((key, field, shape))
+        keys = {key for key, _, _ in layout}
+        infos = {}
+        for key in self.keys:
+            if key in keys:
+                infos[key] = dict(self.infos.get(key, {}), calls=int(calls[self._key_index[key]]))
+        flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        return flat, layout, infos
+
+
+def combine_ranks(field: str, values: Tensor, present: Tensor) -> Tensor:
+    """Reduce one field's per-rank values ``(world, *shape)`` over the ranks where ``present``.
+
+    Sums add, maxima take the maximum, ``last`` takes the highest present rank, and moments
+    ``(n, mean, M2)`` pool exactly: ``M2 = Σ M2ᵢ + Σ nᵢ (meanᵢ - mean)²`` with the pooled mean.
+    """
+    kind = reduction(field)
+    values = values[present]
+    if kind == "sum":
+        return values.sum(0)
+    if kind == "max":
+        return values.amax(0)
+    if kind == "last":
+        return values[-1]
+    n, mean, m2 = values[:, 0], values[:, 1], values[:, 2]
+    total = n.sum(0)
+    pooled = (n * mean).sum(0) / total.clamp(min=1)
+    spread = torch.where(n > 0, n * (mean - pooled).square(), 0.0).sum(0)
+    return torch.stack([total, pooled, m2.sum(0) + spread])
+
