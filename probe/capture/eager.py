@@ -99,7 +99,7 @@ class EagerFrontEnd:
             ("masked_fill masked_fill_", (torch.masked_fill,), self._on_masked_fill),
             ("", (torch.where,), self._on_where),
             ("tanh", (torch.tanh,), self._on_tanh),
-            ("float to type contiguous half bfloat16 double", (), self._on_cast),
+            ("float to type type_as contiguous half bfloat16 double", (), self._on_cast),
             ("view reshape transpose", (torch.reshape, torch.transpose), self._on_view),
             ("clamp clamp_ __rsub__ __rdiv__", (torch.clamp,), self._on_other),
             ("softmax", (torch.softmax, F.softmax), self._on_softmax),
