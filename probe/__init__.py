@@ -1,6 +1,7 @@
 """probe: see, and guard in CI, what the 1/sqrt(d_k) scaling in attention does to your model."""
 
 from probe.call import AttentionCall
+from probe.compare import compare
 from probe.errors import ProbeError
 from probe.errors import StabilityError
 from probe.intervene import scaling
@@ -25,6 +26,7 @@ __all__ = [
     "__version__",
     "assert_stable",
     "check",
+    "compare",
     "scaling",
     "watch",
 ]
