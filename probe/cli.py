@@ -7,6 +7,8 @@ import enum
 import sys
 from typing import List, Optional
 
+from probe.cli_check import add_commands as add_check_commands
+
 __all__ = ["ExitCode", "main"]
 
 
@@ -41,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--logdir", default="runs/demo", help="TensorBoard directory (default runs/demo)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_cmd_demo)
+    add_check_commands(sub)  # probe check, probe report
+    from probe.compare import add_commands as add_compare_commands
+
+    add_compare_commands(sub)  # probe compare
     return parser
 
 
