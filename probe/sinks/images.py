@@ -168,14 +168,14 @@ def render_heatmap(
     tick_w = max(probe_draw.textlength(_fmt_tick(t), font=small) for t in cs.ticks)
     width = left + grid_w + bar_gap + bar_w + 8 + int(tick_w) + 10
     bar_h = max(grid_h, 120)
-    height = top + bar_h + 28
-    title = f"{metric} @ {scale}   step {step}"
-    width = max(width, int(probe_draw.textlength(title, font=font)) + 20)
+    height = top + max(bar_h, grid_h + 34) + 12
+    title = f"{metric} @ {scale}, step {step}"
+    note = f"fixed range [{_fmt_tick(cs.lo)}, {_fmt_tick(cs.hi)}] {cs.transform}, grey = none"
+    width = max(width, int(probe_draw.textlength(title, font=font)) + 16, int(probe_draw.textlength(note, font=small)) + 16)
 
     img = Image.new("RGB", (width, height), _BACKGROUND)
     draw = ImageDraw.Draw(img)
     draw.text((8, 6), title, fill=_INK, font=font)
-    note = f"fixed range [{_fmt_tick(cs.lo)}, {_fmt_tick(cs.hi)}], {cs.transform}; grey: no head / NaN"
     draw.text((8, 24), note, fill=(90, 90, 90), font=small)
 
     cells = colourize(grid, cs)  # (S, H, 3)
@@ -195,7 +195,8 @@ def render_heatmap(
         t = str(h)
         x = left + h * cw + (cw - probe_draw.textlength(t, font=small)) / 2
         draw.text((x, top + grid_h + 3), t, fill=_INK, font=small)
-    draw.text((left + grid_w + 2, top + grid_h + 3), "head", fill=(90, 90, 90), font=small)
+    head_label_x = left + (grid_w - probe_draw.textlength("head", font=small)) / 2
+    draw.text((head_label_x, top + grid_h + 18), "head", fill=(90, 90, 90), font=small)
     for s in range(0, n_sites, label_every):
         t = labels[s]
         x = left - 6 - probe_draw.textlength(t, font=small)

@@ -40,7 +40,7 @@ def _fmt_scale(scale: Any) -> str:
 
 def sites_table(summary: Summary) -> str:
     """A markdown table of the detected sites (TensorBoard renders text summaries as markdown)."""
-    lines = ["| site | kind | heads | kv heads | d_k | actual scale | calls |", "|---|---|---|---|---|---|---|"]
+    lines = ["| site | kind | heads | kv heads | d_k | actual scale | calls (first flush) |", "|---|---|---|---|---|---|---|"]
     for site in summary.sites:
         i = summary.info(site)
         lines.append(
