@@ -68,8 +68,24 @@ class ModuleStack:
         if self._suspended is not None and self._suspended[0] == id(module):
             torch._C._push_on_torch_function_stack(self._suspended[1])
             self._suspended = None
+        if self._stack and self._stack[-1][0] == id(module):
+            self._drain()
         if len(self._stack) > 1 and self._stack[-1][0] == id(module):
             self._stack.pop()
+
+    def _drain(self) -> None:
+        """Let front ends measure calls they could only record (FlexAttention, whose operator
+        runs inside a compiled region): attributed to the module returning now, measured with
+        the capture mode off the function-mode stack so the statistics' ops are not captured."""
+        n = torch._C._len_torch_function_stack()
+        mode = torch._C._get_function_stack_at(n - 1) if n else None
+        if not isinstance(mode, CaptureMode) or not mode.pending():
+            return
+        torch._C._pop_torch_function_stack()
+        try:
+            mode.drain(self._stack[-1][1])
+        finally:
+            torch._C._push_on_torch_function_stack(mode)
 
     def _maybe_run_fused(self, module: nn.Module, name: str, args: Any) -> None:
         """Let a module run PyTorch's fused kernel when only that path can run it.
@@ -165,14 +181,25 @@ class CaptureMode(TorchFunctionMode):
             return func(*args, **kwargs)
         return frontend.handle(func, args, kwargs, self._emit)
 
+    def pending(self) -> bool:
+        """Whether a front end holds calls recorded but not yet measured (``pending`` list)."""
+        return any(getattr(f, "pending", None) for f in dict.fromkeys(self._routes.values()))
+
+    def drain(self, site: str) -> None:
+        """Have front ends with ``drain(emit, site)`` measure their recorded calls now."""
+        for frontend in dict.fromkeys(self._routes.values()):
+            if getattr(frontend, "pending", None):
+                frontend.drain(self._emit, site)
+
 
 def default_frontends() -> List[FrontEnd]:
     """The front ends every probe uses."""
     from probe.capture.eager import EagerFrontEnd
+    from probe.capture.flex import FlexFrontEnd
     from probe.capture.mha import MHAFrontEnd
     from probe.capture.sdpa import SDPAFrontEnd
 
-    return [SDPAFrontEnd(), EagerFrontEnd(), MHAFrontEnd()]
+    return [SDPAFrontEnd(), EagerFrontEnd(), MHAFrontEnd(), FlexFrontEnd()]
 
 
 def is_mode_active(mode: Optional[TorchFunctionMode]) -> bool:
