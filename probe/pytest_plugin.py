@@ -9,8 +9,8 @@ Use the ``attention_probe`` fixture; when the ``with`` block exits, the threshol
 
 Thresholds, first found wins: ``attention_probe(model, thresholds=[...])``, the test's marker
 ``@pytest.mark.probe(thresholds=[...])`` (or ``@pytest.mark.probe("logit_max < 50", ...)``), the
-``[tool:probe]`` section of ``pytest.ini`` / ``tox.ini`` / ``setup.cfg`` found from pytest's rootdir
-upward, then the defaults (``logit_max < 100``, ``nonfinite <= 0``). ``--probe-logdir DIR`` writes
+``[tool:probe]`` section of ``pytest.ini`` / ``tox.ini`` / ``setup.cfg`` found from the test file's
+directory upward, then the defaults (``logit_max < 100``, ``nonfinite <= 0``). ``--probe-logdir DIR`` writes
 each block's TensorBoard run and ``probe_summary.json`` under ``DIR/<test id>``; a terminal summary
 section lists the heads closest to (or past) their limits across the session.
 
@@ -134,7 +134,9 @@ class AttentionProbe:
         if marker is not None and (marker.args or "thresholds" in marker.kwargs):
             given = marker.kwargs.get("thresholds", marker.args)
             return _as_thresholds(given), "@pytest.mark.probe"
-        rules, path = load_thresholds(start=str(self._request.config.rootpath))
+        # from the test file's directory upward: the nearest config wins, even when pytest's
+        # rootdir is a parent (a monorepo, or examples/ inside a project)
+        rules, path = load_thresholds(start=str(self._request.path.parent))
         return rules, path or "the defaults"
 
     def _finish(self, summary: "Summary", rules: List["Threshold"], source: str) -> None:

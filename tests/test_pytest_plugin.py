@@ -146,16 +146,21 @@ def test_call_beats_marker(attention_probe):
     result.stdout.fnmatch_lines(["*thresholds from the attention_probe call*", "E *blocks.1 *logit_max@actual*"])
 
 
-def test_config_in_setup_cfg(pytester):
+def test_config_in_setup_cfg_nearest_to_the_test_file_wins(pytester):
     pytester.makefile(".cfg", setup="[tool:probe]\nthresholds =\n    entropy@unscaled > 0.999\n")
-    _test_file(pytester, f'''
+    body = f'''
 def test_cfg(attention_probe):
     net = Net({HEALTHY})
     with attention_probe(net, grads=False):
         net(batch())
-''')
+'''
+    _test_file(pytester, body)
+    sub = pytester.mkpydir("sub")
+    (sub / "setup.cfg").write_text("[tool:probe]\nthresholds = logit_max < 1e6\n")
+    (sub / "test_sub.py").write_text("import pytest, torch\nfrom model_src import Net, batch\n" + body)
     result = pytester.runpytest()
-    result.assert_outcomes(failed=1)
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(["FAILED test_model.py::test_cfg*"])
     result.stdout.fnmatch_lines([f"*thresholds from {pytester.path / 'setup.cfg'}*", "E *blocks.*entropy@unscaled*> 0.999*"])
 
 
@@ -243,3 +248,18 @@ def test_clean_afterwards():
 ''')
     result = pytester.runpytest()
     result.assert_outcomes(passed=1, failed=1)
+
+
+def test_the_shipped_ci_example(pytester):
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "ci")
+    for name in ("test_attention_stability.py", "setup.cfg"):
+        with open(os.path.join(example, name), encoding="utf-8") as f:
+            (pytester.path / name).write_text(f.read())
+    result = pytester.runpytest("--runxfail")  # the demonstration of a collapsed head must really fail
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines([
+        f"*thresholds from {pytester.path / 'setup.cfg'}*",
+        "E *blocks.1  2     logit_max@actual  1*< 100*",
+        "E *blocks.1  2     entropy@actual*> 0.05*",
+        "FAILED test_attention_stability.py::test_a_collapsed_head_fails*",
+    ])
