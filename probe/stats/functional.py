@@ -7,12 +7,19 @@ combination across calls, steps and ranks live in :mod:`probe.stats.accumulator`
 Notation (DESIGN.md): ``R = q @ k.T`` (raw dot products), ``A`` the additive bias with masked
 entries removed, ``σ`` a scale, ``Z = σR + A`` (``c·tanh(σR/c) + A`` with softcap ``c``),
 ``P = softmax(Z)`` over valid keys.
+
+Cost model (docs/performance.md): per chunk of query rows, one ``q·kᵀ`` serves every scale.
+Without bias or softcap and with positive float scales (SDPA defaults, BERT, Llama, GPT) the
+*shifted* path runs: ``D = R − rowmax(R)`` is formed once in place, the logit moments come from
+per-row sums of ``D``, and each distinct scale costs one ``exp(σD)`` with two row reductions
+(``σ·rowmax`` is the row max of ``σR`` for ``σ > 0``, so no second max pass). Other calls take
+the general path (:func:`softmax_stats`, :func:`logit_moments`), a few more passes per scale.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterator, Mapping, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -27,15 +34,21 @@ __all__ = [
     "forward_stats",
     "iter_chunks",
     "logit_moments",
+    "sample_rows",
     "softmax_stats",
 ]
 
 #: Metrics computed in the forward pass, in the order they are reported.
 FORWARD_METRICS = ("logit_var", "logit_max", "entropy", "max_prob", "saturation", "nonfinite")
 
-# How many (B, H, rows, S) float32 buffers one chunk keeps alive at once: R, Z, exp(Z - max),
-# the entropy product, and masks/temporaries. Used to turn a byte budget into query rows.
+# How many (B, H, rows, S) float32 buffers one chunk keeps alive at once. The shifted path holds
+# R (shifted in place), its masked copy, exp(σD) and one product; the general path R, Z,
+# exp(Z − m) and the entropy product. Masks are bool (a quarter each); 6 covers both.
 _LIVE_BUFFERS = 6
+
+# Below the budget, chunks are also kept near the size of a core's L2 cache so that the few
+# elementwise passes of a chunk read it from cache rather than from memory (docs/performance.md).
+_CACHE_CHUNK_BYTES = 2 * 2**20
 
 
 def accumulation_dtype(device: torch.device) -> torch.dtype:
@@ -49,6 +62,18 @@ def chunk_rows(batch: int, heads: int, keys: int, budget_bytes: int) -> int:
     return max(1, budget_bytes // per_row)
 
 
+def sample_rows(length: int, rows: int, generator: Optional[torch.Generator] = None,
+                device: Optional[torch.device] = None) -> Tensor:
+    """``rows`` distinct query positions drawn uniformly from ``range(length)``, sorted.
+
+    Each position is included with probability ``π = rows / length``; the same positions serve
+    every batch element and head. Drawn on the CPU (``generator`` is a CPU generator) and moved
+    to ``device`` without waiting.
+    """
+    idx = torch.randperm(length, generator=generator)[: min(rows, length)].sort().values
+    return idx.to(device, non_blocking=True) if device is not None else idx
+
+
 def _as_4d(t: Tensor) -> Tensor:
     while t.dim() < 4:
         t = t.unsqueeze(0)
@@ -57,17 +82,78 @@ def _as_4d(t: Tensor) -> Tensor:
     return t
 
 
-def _rows(t: Optional[Tensor], r0: int, r1: int) -> Optional[Tensor]:
-    """Rows ``r0:r1`` of a tensor broadcastable to ``(B, H, L, S)`` (broadcast rows kept)."""
+def _rows(t: Optional[Tensor], r0: int, r1: int, pos: Optional[Tensor] = None) -> Optional[Tensor]:
+    """Rows ``r0:r1`` (or positions ``pos``) of a tensor broadcastable to ``(B, H, L, S)``."""
     if t is None:
         return None
     t = _as_4d(t)
-    return t if t.shape[-2] == 1 else t[..., r0:r1, :]
+    if t.shape[-2] == 1:
+        return t  # broadcast over rows
+    return t[..., r0:r1, :] if pos is None else t.index_select(-2, pos)
 
 
 def _bias_valid(bias: Tensor) -> Tensor:
     # Hugging Face masks use finfo.min instead of -inf; anything at most half of it is masked.
     return bias > torch.finfo(bias.dtype).min / 2
+
+
+def _chunk_mask(call: AttentionCall, r0: int, r1: int, pos: Optional[Tensor],
+                keys: int) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """(valid, bias) for rows ``r0:r1`` (or positions ``pos``) and keys ``0:keys``."""
+    device = call.q.device
+    valid = _rows(call.mask, r0, r1, pos)
+    bias = _rows(call.bias, r0, r1, pos)
+    if keys < call.k.shape[2]:
+        valid = None if valid is None else valid[..., :keys]
+        bias = None if bias is None else bias[..., :keys]
+    if bias is not None:
+        bias_ok = _bias_valid(bias)
+        valid = bias_ok if valid is None else valid & bias_ok
+        bias = torch.where(bias_ok, bias.float(), 0.0)
+    if call.causal:
+        rows = (torch.arange(r0, r1, device=device) if pos is None else pos).unsqueeze(-1)
+        causal = rows >= torch.arange(keys, device=device)  # top-left aligned, as SDPA
+        valid = causal if valid is None else valid & causal
+    return valid, bias
+
+
+def _iter(call: AttentionCall, step: int, positions: Optional[Tensor] = None, reuse: bool = False,
+          last: Optional[Sequence[int]] = None) -> Iterator[Tuple[Tensor, Optional[Tensor], Optional[Tensor]]]:
+    """Chunks of ``(R, valid, bias)``; with ``reuse`` every ``R`` is a view of one buffer, valid
+    until the next chunk (a fresh large tensor per chunk costs page faults on CPUs).
+
+    ``last``: the last query position of each chunk, from the host (``None``: do not trim). Under
+    causal masking the keys after it are masked for every row of the chunk, so ``R`` only spans
+    keys ``0 .. last`` (about half the work for a causal call); callers that need all ``S``
+    columns (the backward's ``dP``) leave it ``None``.
+    """
+    q, k = call.q, call.k
+    batch, heads, length, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    kt = k.float().transpose(-1, -2)  # (B, Hk, d, S); a copy only for half-precision inputs
+    if groups > 1:
+        kt = kt.expand(batch, -1, -1, -1).unsqueeze(2)  # (B, Hk, 1, d, S)
+    total = length if positions is None else positions.shape[0]
+    buffer = None
+    if reuse and total > 0:
+        buffer = torch.empty(batch * heads * min(step, total) * keys, device=q.device)
+    for r0 in range(0, total, step):
+        r1 = min(total, r0 + step)
+        rows = r1 - r0
+        pos = None if positions is None else positions[r0:r1]
+        qc = (q[:, :, r0:r1] if pos is None else q.index_select(2, pos)).float()
+        cols = keys if last is None or not call.causal else max(1, min(keys, last[r0 // step] + 1))
+        kc = kt if cols == keys else kt[..., :cols]
+        R = None if buffer is None else buffer[: batch * heads * rows * cols].view(batch, heads, rows, cols)
+        if groups > 1:
+            qc = qc.reshape(batch, kv_heads, groups, rows, dim)
+            out = None if R is None else R.view(batch, kv_heads, groups, rows, cols)
+            R = torch.matmul(qc, kc, out=out).view(batch, heads, rows, cols)
+        else:
+            R = torch.matmul(qc, kc, out=R)
+        valid, bias = _chunk_mask(call, r0, r1, pos, cols)
+        yield R, valid, bias
 
 
 def iter_chunks(
@@ -78,33 +164,10 @@ def iter_chunks(
     ``R`` is ``q[:, :, rows] @ k.T`` in float32, shape ``(B, H, l, S)``, computed once per chunk
     for every scale (grouped-query attention without repeating k). ``valid`` (bool) and
     ``bias`` (float32, masked entries zeroed) broadcast to ``R``; either may be ``None``.
+    ``R`` is a fresh buffer the caller may overwrite.
     """
-    q, k = call.q, call.k
-    batch, heads, length, dim = q.shape
-    kv_heads, keys = k.shape[1], k.shape[2]
-    groups = heads // kv_heads
-    kt = k.float().transpose(-1, -2)  # (B, Hk, d, S); a copy only for half-precision inputs
-    if groups > 1:
-        kt = kt.expand(batch, -1, -1, -1).unsqueeze(2)  # (B, Hk, 1, d, S)
-    step = chunk_rows(batch, heads, keys, budget_bytes)
-    for r0 in range(0, length, step):
-        r1 = min(length, r0 + step)
-        qc = q[:, :, r0:r1].float()
-        if groups > 1:
-            R = (qc.reshape(batch, kv_heads, groups, r1 - r0, dim) @ kt).reshape(batch, heads, r1 - r0, keys)
-        else:
-            R = qc @ kt
-        valid = _rows(call.mask, r0, r1)
-        bias = _rows(call.bias, r0, r1)
-        if bias is not None:
-            bias_ok = _bias_valid(bias)
-            valid = bias_ok if valid is None else valid & bias_ok
-            bias = torch.where(bias_ok, bias.float(), 0.0)
-        if call.causal:
-            rows = torch.arange(r0, r1, device=q.device).unsqueeze(-1)
-            causal = rows >= torch.arange(keys, device=q.device)  # top-left aligned, as SDPA
-            valid = causal if valid is None else valid & causal
-        yield R, valid, bias
+    batch, heads = call.q.shape[:2]
+    yield from _iter(call, chunk_rows(batch, heads, call.k.shape[2], budget_bytes))
 
 
 def logit_moments(R: Tensor, valid: Optional[Tensor]) -> Tensor:
@@ -157,7 +220,7 @@ def softmax_stats(
     softcap: Optional[float],
     saturation: float,
 ) -> Tuple[Tensor, Tensor]:
-    """Softmax statistics at one scale, summed over valid rows, per head.
+    """Softmax statistics at one scale, summed over valid rows, per head (the general path).
 
     Returns ``(sums, row_logsumexp)``: ``sums`` is ``(4, H)`` with the number of valid rows
     (at least two valid keys), the sum of normalized entropies ``H(P)/log(n_valid)``, the sum of
@@ -217,6 +280,133 @@ def _nonfinite(R: Tensor, valid: Optional[Tensor], row_lse: Tensor) -> Tensor:
     return bad.sum((0, 2, 3)).float() + torch.where(bad_rows, n_row, 0).sum((0, 2)).float()
 
 
+def _general_chunk(R: Tensor, valid: Optional[Tensor], bias: Optional[Tensor], scales: Sequence[Scale],
+                   softcap: Optional[float], saturation: float, acc: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+    """(moments (5, H), softmax sums (len(scales), 4, H), nonfinite (H,)); scales[0] is `actual`."""
+    moments = logit_moments(R, valid).to(acc)
+    soft, nonfinite = [], None
+    for i, value in enumerate(scales):
+        sums, lse = softmax_stats(R, valid, bias, value, softcap, saturation)
+        soft.append(sums.to(acc))
+        if i == 0:
+            nonfinite = _nonfinite(R, valid, lse).to(acc)
+    return moments, torch.stack(soft), nonfinite  # type: ignore[arg-type]
+
+
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def _shifted_rows(R: Tensor, valid: Optional[Tensor], scales: Sequence[float],
+                  work: Optional[Tensor] = None) -> List[Tensor]:
+    """Per-row sums of one chunk for the shifted path, each ``(B, H, l)`` float32.
+
+    With ``r`` the row max of ``R`` over valid keys and ``D = R − r`` (``≤ 0``), every positive
+    scale has row max ``σr``, so ``e = exp(σD)`` (computed as ``exp2(σ·log2(e)·D)``, three times
+    cheaper than ``exp`` on CPUs), ``Σe`` and ``Σ e·D`` give the row's entropy and max
+    probability (:func:`_shifted_reduce`): one exponential and two row sums per scale.
+
+    Returns ``[n, r, ΣD, ΣD², min D, #non-finite, Σe_1, Σe·D_1, Σe_2, ...]`` where ``n`` is the
+    number of valid keys and ``#non-finite`` counts NaN/±inf among the row's valid logits.
+
+    ``work`` is scratch space of at least ``2·R.numel()`` floats, reused across chunks.
+
+    Pitfall: ``R`` is overwritten. Masked entries of ``D`` are ``-inf`` for the exponential and 0
+    in the sums (``0·(−inf)`` would be NaN); a fully masked row has ``r = −inf``, replaced by 0.
+    """
+    batch, heads, length, keys = R.shape
+    shape = (batch, heads, length)
+    if work is None or work.numel() < R.numel():
+        work = torch.empty(2 * R.numel(), device=R.device)
+    e = work[: R.numel()].view(R.shape)
+    if valid is None:
+        n_row = torch.full(shape, float(keys), device=R.device)
+    else:
+        R.masked_fill_(~valid, -math.inf)
+        n_row = valid.sum(-1, dtype=torch.float32).expand(shape)
+    # x·0 is 0 for finite x and NaN for NaN and ±inf (masked entries are −inf: subtract them)
+    bad = torch.nan_to_num(torch.mul(R, 0.0, out=e), nan=1.0, out=e).sum(-1)
+    if valid is not None:
+        bad = bad - (keys - n_row)
+    rmax = R.amax(-1, keepdim=True)
+    rmax = torch.where(rmax == -math.inf, 0.0, rmax)
+    D = R.sub_(rmax)
+    D0 = D
+    if valid is not None:
+        D0 = torch.nan_to_num(D, nan=math.nan, posinf=math.inf, neginf=0.0,
+                              out=work[R.numel() : 2 * R.numel()].view(R.shape))
+    out = [n_row, rmax.squeeze(-1), D0.sum(-1), torch.linalg.vector_norm(D0, dim=-1).square(),
+           D0.amin(-1), bad]  # masked entries of D0 are 0 >= every valid D: amin is the valid min
+    for sigma in scales:
+        torch.mul(D, sigma * _LOG2E, out=e).exp2_()
+        out.append(e.sum(-1))
+        out.append(e.mul_(D0).sum(-1))
+    return out
+
+
+def _shifted_reduce(rows: List[Tensor], scales: Sequence[float], saturation: float,
+                    acc: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+    """Per-head (moments (5, H), softmax sums (len(scales), 4, H), nonfinite (H,)) from the
+    per-row sums of :func:`_shifted_rows` (all rows of a call, concatenated).
+
+    Moments: a row has mean ``μ = r + ΣD/n`` and ``M2 = ΣD² − (ΣD)²/n``; rows combine exactly
+    per head, in ``acc``: ``mean = Σ nμ / Σ n``, ``M2 = Σ M2_row + Σ n(μ − mean)²`` (Chan).
+    ``ΣD² − (ΣD)²/n`` cancels only as much as ``mean(D)²/var(D)`` in a row, which is small
+    because ``D`` is measured from the row max, not from zero.
+    Softmax at ``σ``: ``H = log Σe − σ·Σ e·D / Σe``, ``max P = 1/Σe``; nonfinite probabilities:
+    every valid entry of a row whose log-sum-exp ``σr + log Σe`` is NaN or ``+inf``.
+    """
+    n, r, a, b, lo, bad = rows[:6]
+    dims = (0, 2)
+    n64, r64, a64 = n.to(acc), r.to(acc), a.to(acc)
+    seen = n > 0
+    safe_n = n64.clamp(min=1)
+    mu = r64 + a64 / safe_n
+    m2_row = (b.to(acc) - a64 * a64 / safe_n).clamp(min=0)
+    count = n64.sum(dims)
+    mean = (n64 * mu).sum(dims) / count.clamp(min=1)
+    m2 = m2_row.sum(dims) + (n64 * (mu - mean.view(1, -1, 1)).square()).sum(dims)
+    top = torch.where(seen, r, -math.inf).amax(dims).to(acc)
+    low = torch.where(seen, r + lo, math.inf).amin(dims).to(acc)
+    moments = torch.stack([count, mean, m2, top, low])
+
+    ok = n >= 2
+    log_n = torch.log(n.clamp(min=2))
+    n_ok = ok.sum(dims, dtype=acc)
+    soft, nonfinite = [], None
+    for i, sigma in enumerate(scales):
+        se, sed = rows[6 + 2 * i], rows[7 + 2 * i]
+        lse = torch.log(se)
+        entropy = (lse - sigma * sed / se).clamp(min=0) / log_n
+        max_prob = 1.0 / se
+        soft.append(torch.stack([
+            n_ok,
+            torch.where(ok, entropy, 0.0).sum(dims, dtype=acc),
+            torch.where(ok, max_prob, 0.0).sum(dims, dtype=acc),
+            (ok & (max_prob >= saturation)).sum(dims, dtype=acc),
+        ]))
+        if i == 0:
+            row_lse = lse + sigma * r
+            bad_rows = torch.isnan(row_lse) | (row_lse == math.inf)
+            nonfinite = bad.sum(dims, dtype=acc) + torch.where(bad_rows, n, 0.0).sum(dims, dtype=acc)
+    return moments, torch.stack(soft), nonfinite  # type: ignore[arg-type]
+
+
+def _valid_rows(call: AttentionCall, step: int) -> Tensor:
+    """Per head, the number of query rows with at least two valid keys (mask and bias only)."""
+    batch, heads, length, _ = call.q.shape
+    keys = call.k.shape[2]
+    total = torch.zeros(heads, device=call.q.device)
+    for r0 in range(0, length, step):
+        r1 = min(length, r0 + step)
+        valid, _ = _chunk_mask(call, r0, r1, None, keys)
+        if valid is None:
+            n_row = torch.full((1, 1, 1), keys, device=call.q.device)
+        else:
+            n_row = valid.sum(-1)
+        total = total + (n_row >= 2).expand(batch, heads, r1 - r0).sum((0, 2))
+    return total
+
+
 def _scaled_moments(moments: Tensor, scale: Scale, heads: int) -> Tuple[Tensor, Tensor]:
     """(count, mean, M2) and max of ``σR`` from the moments of ``R`` (scale-linear)."""
     n, mean, m2, rmax, rmin = moments
@@ -229,11 +419,21 @@ def _scaled_moments(moments: Tensor, scale: Scale, heads: int) -> Tuple[Tensor, 
     return torch.stack([n, s * mean, s * s * m2]), top
 
 
+def _shiftable(call: AttentionCall, values: Sequence[Scale]) -> bool:
+    """Whether the shifted path applies: no bias, no softcap, finite positive float scales."""
+    return call.bias is None and call.softcap is None and all(
+        not isinstance(v, Tensor) and 0.0 < float(v) < 1e30 for v in values
+    )
+
+
 def forward_stats(
     call: AttentionCall,
     scales: Mapping[str, Scale],
     saturation: float = 0.99,
     budget_bytes: int = 64 * 2**20,
+    *,
+    rows: Union[None, int, Tensor] = None,
+    generator: Optional[torch.Generator] = None,
 ) -> Dict[str, Tensor]:
     """All forward metrics of one call, as accumulator fields (see :mod:`probe.stats.accumulator`).
 
@@ -245,45 +445,86 @@ def forward_stats(
         scales: scale name → value (``"actual"`` must be present; it also gives ``nonfinite``).
         saturation: τ, a row is saturated when its max probability is at least τ.
         budget_bytes: extra memory allowed for one chunk's buffers.
+        rows: query-row sampling. ``None`` uses every row; an int ``N < L`` draws ``N`` distinct
+            positions uniformly (:func:`sample_rows`, with ``generator``); a 1-D tensor gives the
+            sorted positions. With ``π = N / L``, the row sums (entropy, max_prob, saturated,
+            nonfinite) are weighted by ``1/π`` (Horvitz–Thompson) and ``rows`` is the exact
+            number of valid rows, so the mean metrics are unbiased; ``logit_var`` is the variance
+            of the sampled logits (consistent, not unbiased) and ``logit_max`` a lower bound.
+        generator: the CPU generator for ``rows=N``.
 
     Returns:
         Field name → per-head tensor: ``logit@{s}`` (count/mean/M2 stack), ``logit_max@{s}``,
         ``rows``, ``entropy@{s}``, ``max_prob@{s}``, ``saturated@{s}`` and ``nonfinite``.
     """
-    heads = call.heads
+    batch, heads, length, _ = call.q.shape
+    keys = call.k.shape[2]
     acc = accumulation_dtype(call.q.device)
-    groups: Dict[object, list] = {}
+    groups: Dict[object, List[str]] = {}
     for name, value in scales.items():
         key = id(value) if isinstance(value, Tensor) else float(value)
         groups.setdefault(key, []).append(name)
-    representative = {names[0]: scales[names[0]] for names in groups.values()}
-    actual_rep = next(names[0] for names in groups.values() if "actual" in names)
+    # the group holding `actual` goes first: it also gives `nonfinite`
+    order = sorted(groups.values(), key=lambda names: "actual" not in names)
+    values = [scales[names[0]] for names in order]
 
+    positions: Optional[Tensor] = None
+    cpu_positions: Optional[Tensor] = None
+    if isinstance(rows, Tensor):
+        positions = rows.to(call.q.device)
+    elif rows is not None and rows < length:
+        cpu_positions = sample_rows(length, rows, generator)
+        positions = cpu_positions.to(call.q.device, non_blocking=True)
+    # Within the budget, also keep a chunk near the cache size (never below 16 rows).
+    step = chunk_rows(batch, heads, keys, budget_bytes)
+    step = min(step, max(16, _CACHE_CHUNK_BYTES // max(1, batch * heads * keys * 4)))
+
+    shifted = _shiftable(call, values)
+    floats = [float(v) for v in values] if shifted else []
     moments: Optional[Tensor] = None
-    soft: Dict[str, Tensor] = {}
+    soft: Optional[Tensor] = None
     nonfinite = torch.zeros(heads, dtype=acc, device=call.q.device)
-    for R, valid, bias in iter_chunks(call, budget_bytes):
-        part = logit_moments(R, valid).to(acc)
+    row_parts: List[List[Tensor]] = []
+    work: Optional[Tensor] = None
+    # last query position of each chunk (host side: the positions are drawn on the CPU)
+    host_pos = None if positions is None else positions.cpu() if isinstance(rows, Tensor) else cpu_positions
+    total = length if positions is None else positions.shape[0]
+    last = [(min(total, r0 + step) - 1) if host_pos is None else int(host_pos[min(total, r0 + step) - 1])
+            for r0 in range(0, total, step)] if call.causal and call.q.device.type != "meta" else None
+    for R, valid, bias in _iter(call, step, positions, reuse=shifted, last=last):
+        if shifted:  # per-row sums now, one per-head reduction at the end (fewer small ops)
+            if work is None:  # sized for the widest chunk (causal chunks grow)
+                work = torch.empty(2 * batch * heads * min(step, total) * keys, device=R.device)
+            row_parts.append(_shifted_rows(R, valid, floats, work))
+            continue
+        part, sums, bad = _general_chunk(R, valid, bias, values, call.softcap, saturation, acc)
         if moments is None:
-            moments = part
+            moments, soft = part, sums
         else:
             mv = combine_moments(moments[:3], part[:3])
             moments = torch.cat([mv, torch.maximum(moments[3:4], part[3:4]), torch.minimum(moments[4:5], part[4:5])])
-        for name, value in representative.items():
-            sums, lse = softmax_stats(R, valid, bias, value, call.softcap, saturation)
-            soft[name] = sums.to(acc) if name not in soft else soft[name] + sums.to(acc)
-            if name == actual_rep:
-                nonfinite = nonfinite + _nonfinite(R, valid, lse).to(acc)
-    if moments is None:  # no query rows: nothing to report
+            soft = soft + sums
+        nonfinite = nonfinite + bad
+    if row_parts:
+        rows_all = [torch.cat(parts, dim=-1) if len(row_parts) > 1 else parts[0] for parts in zip(*row_parts)]
+        moments, soft, nonfinite = _shifted_reduce(rows_all, floats, saturation, acc)
+    if moments is None or soft is None:  # no query rows: nothing to report
         return {}
+    row_count = soft[0, 0]
+    if positions is not None:
+        weight = length / max(1, positions.shape[0])  # 1/π, Horvitz–Thompson
+        soft = soft * weight
+        nonfinite = nonfinite * weight
+        moments = torch.cat([moments[:1] * weight, moments[1:]])
+        row_count = _valid_rows(call, step).to(acc)
 
     out: Dict[str, Tensor] = {"nonfinite": nonfinite}
-    for names in groups.values():
-        sums = soft[names[0]]
+    for i, names in enumerate(order):
+        sums = soft[i]
         for name in names:
             out[f"logit@{name}"], out[f"logit_max@{name}"] = _scaled_moments(moments, scales[name], heads)
             out[f"entropy@{name}"] = sums[1]
             out[f"max_prob@{name}"] = sums[2]
             out[f"saturated@{name}"] = sums[3]
-    out["rows"] = soft[actual_rep][0]
+    out["rows"] = row_count
     return out
