@@ -141,6 +141,8 @@ def report_table(summary: Summary) -> str:
         scales: List[str] = []
         for m in metrics:
             scales += [s for s in summary.scales(site, m) if s not in scales]
+        builtin = ("actual", "unscaled", "standard")  # then extra scales, in the order seen
+        scales.sort(key=lambda s: builtin.index(s) if s in builtin else len(builtin))
         rows = [["metric"] + scales + ["heads @actual (min..max)"]]
         for m in metrics:
             row = [m]

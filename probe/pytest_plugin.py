@@ -83,6 +83,7 @@ class _Block:
         return self.probe
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        __tracebackhide__ = True  # pytest shows the user's `with` line, not probe's frames
         p = self.probe
         if p is None:  # __exit__ without __enter__
             return False
@@ -140,6 +141,7 @@ class AttentionProbe:
         return rules, path or "the defaults"
 
     def _finish(self, summary: "Summary", rules: List["Threshold"], source: str) -> None:
+        __tracebackhide__ = True
         from probe.errors import StabilityError
         from probe.thresholds import evaluate, format_table
 
