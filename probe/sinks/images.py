@@ -85,7 +85,7 @@ def colour_scale(metric: str) -> ColourScale:
         return ColourScale(1e-2, 1e4, "log10", (1e-2, 1e-1, 1.0, 10.0, 1e2, 1e3, 1e4))
     if metric == "logit_max":
         # 100 is the QK-Clip threshold of the default `logit_max < 100` check.
-        return ColourScale(-10.0, 1e3, "symlog", (-10.0, 0.0, 1.0, 10.0, 100.0, 1e3))
+        return ColourScale(-10.0, 1e3, "symlog", (-10.0, 0.0, 10.0, 100.0, 1e3))
     if metric.startswith("grad_"):
         return ColourScale(1e-8, 1e2, "log10", (1e-8, 1e-6, 1e-4, 1e-2, 1.0, 1e2))
     if metric == "nonfinite":
