@@ -172,11 +172,11 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from probe.cli import ExitCode
-    from probe.thresholds import _as_thresholds, evaluate, format_table, load_thresholds
+    from probe.thresholds import as_thresholds, evaluate, format_table, load_thresholds
 
     try:
         if args.threshold:
-            rules, origin = _as_thresholds(args.threshold), "--threshold"
+            rules, origin = as_thresholds(args.threshold), "--threshold"
         else:
             rules, found = load_thresholds(args.config)
             origin = found or "the defaults"

@@ -127,14 +127,14 @@ class AttentionProbe:
         return _Block(self, model, rules, source, watch_kwargs)
 
     def _resolve(self, thresholds: Optional[Sequence[str]]) -> Tuple[List["Threshold"], str]:
-        from probe.thresholds import _as_thresholds, load_thresholds
+        from probe.thresholds import as_thresholds, load_thresholds
 
         if thresholds is not None:
-            return _as_thresholds(thresholds), "the attention_probe call"
+            return as_thresholds(thresholds), "the attention_probe call"
         marker = self._request.node.get_closest_marker("probe")
         if marker is not None and (marker.args or "thresholds" in marker.kwargs):
             given = marker.kwargs.get("thresholds", marker.args)
-            return _as_thresholds(given), "@pytest.mark.probe"
+            return as_thresholds(given), "@pytest.mark.probe"
         # from the test file's directory upward: the nearest config wins, even when pytest's
         # rootdir is a parent (a monorepo, or examples/ inside a project)
         rules, path = load_thresholds(start=str(self._request.path.parent))
@@ -186,7 +186,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     records = config.stash.get(_RECORDS, None)
     if not records:
         return
-    from probe.thresholds import _fmt
+    from probe.thresholds import format_value
 
     worst = sorted(records, key=lambda r: -r[1].excess)[:_SHOW]
     tr = terminalreporter
@@ -194,7 +194,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     rows = [("test", "site", "head", "metric@scale", "value", "limit", "")]
     for nodeid, v in worst:
         rows.append((nodeid, v.site, "agg" if v.head is None else str(v.head), f"{v.metric}@{v.scale}",
-                     _fmt(v.value), f"{v.op} {v.limit:g}", "ok" if v.ok else "FAIL"))
+                     format_value(v.value), f"{v.op} {v.limit:g}", "ok" if v.ok else "FAIL"))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         tr.write_line("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())

@@ -38,11 +38,13 @@ __all__ = [
     "DEFAULT_THRESHOLDS",
     "Threshold",
     "Violation",
+    "as_thresholds",
     "assert_stable",
     "check",
     "evaluate",
     "find_config",
     "format_table",
+    "format_value",
     "load_thresholds",
     "parse_threshold",
 ]
@@ -178,7 +180,9 @@ def parse_threshold(text: str) -> Threshold:
     return Threshold(metric=metric_text, op=op, limit=limit, scale=scale, site=site, text=text.strip())
 
 
-def _as_thresholds(thresholds: Union[None, ThresholdLike, Iterable[ThresholdLike]]) -> List[Threshold]:
+def as_thresholds(thresholds: Union[None, ThresholdLike, Iterable[ThresholdLike]]) -> List[Threshold]:
+    """Parsed thresholds: None gives :data:`DEFAULT_THRESHOLDS`; a string is one expression; an
+    empty list is an error (a check with no limit would pass vacuously)."""
     if thresholds is None:
         return [parse_threshold(t) for t in DEFAULT_THRESHOLDS]
     if isinstance(thresholds, (str, Threshold)):
@@ -259,7 +263,7 @@ def evaluate(
     """
     if not isinstance(summary, Summary):
         raise ProbeError(f"expected `summary` to be a probe.Summary, got {type(summary).__name__}")
-    rules = _as_thresholds(thresholds)
+    rules = as_thresholds(thresholds)
     if not summary.sites:
         raise ProbeError("the summary is empty: no attention site was probed (was the model run inside "
                          "probe.watch, on a sampled step, and does it call a supported attention?)")
@@ -318,7 +322,8 @@ def check(
     return sorted(failed, key=lambda v: -v.excess)
 
 
-def _fmt(x: float) -> str:
+def format_value(x: float) -> str:
+    """6 significant digits, ``nan`` for NaN."""
     return "nan" if math.isnan(x) else f"{x:.6g}"
 
 
@@ -326,7 +331,7 @@ def format_table(violations: Sequence[Violation]) -> str:
     """A plain-text table: site, head, metric@scale, value, limit, threshold."""
     header = ("site", "head", "metric@scale", "value", "limit", "threshold")
     rows = [header] + [
-        (v.site, "agg" if v.head is None else str(v.head), f"{v.metric}@{v.scale}", _fmt(v.value),
+        (v.site, "agg" if v.head is None else str(v.head), f"{v.metric}@{v.scale}", format_value(v.value),
          f"{v.op} {v.limit:g}", v.threshold)
         for v in violations
     ]
@@ -409,14 +414,14 @@ def load_thresholds(
     if path is None:
         found = find_config(start)
         if found is None:
-            return _as_thresholds(None), None
+            return as_thresholds(None), None
         path = found
     path = os.fspath(path)
     parser = _read(path)
     if not parser.has_section(CONFIG_SECTION):
         raise ProbeError(f"config file {path!r} has no [{CONFIG_SECTION}] section")
     if not parser.has_option(CONFIG_SECTION, "thresholds"):
-        return _as_thresholds(None), path
+        return as_thresholds(None), path
     lines = [ln.strip() for ln in parser.get(CONFIG_SECTION, "thresholds").splitlines()]
     lines = [ln for ln in lines if ln and not ln.startswith(("#", ";"))]
     if not lines:
