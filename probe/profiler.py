@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from probe.call import AttentionCall, Scale
 from probe.capture.grads import GradHooks
 from probe.capture.mode import CaptureMode, ModuleStack, default_frontends
+from probe.compiled import EagerSteps, check_model, is_compiled, outside_graph
 from probe.distributed import resolve_group
 from probe.errors import ProbeError
 from probe.sinks.base import Sink, SinkGuard, Worker
@@ -126,6 +127,7 @@ class Probe:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"expected `model` to be a torch.nn.Module, got {type(model).__name__}")
+        check_model(model)
         self.every = _check_int("every", every, 1)
         self.flush_every = _check_int("flush_every", flush_every, 1)
         self.memory_budget = _check_int("memory_budget", memory_budget, 1)
@@ -154,6 +156,10 @@ class Probe:
         self._stack = ModuleStack(model)
         self._frontends = default_frontends()
         self._mode: Optional[CaptureMode] = None
+        self._eager = EagerSteps()  # torch.compile: sampled steps run eagerly (probe.compiled)
+        self._emitted = 0  # attention calls seen, to detect a compiled graph that hides them
+        self._emitted_before = 0
+        self._warned_compiled: Set[str] = set()
         self._acc = Accumulator()
         self._infos: Dict[SiteKey, Dict[str, Any]] = {}
         self._multi: Set[str] = set()  # modules seen issuing several calls in one invocation
@@ -208,6 +214,7 @@ class Probe:
         self._started = True
         self._auto_step = False
         self._maybe_flush()
+        self._eager.arm(self._sampled())
 
     def _sampled(self) -> bool:
         return self._step % self.every == 0
@@ -219,6 +226,8 @@ class Probe:
 
     # -- root hooks ----------------------------------------------------------------------------
     def _on_forward_start(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # Dynamo traces the root's hooks: leave the graph
+            return outside_graph(self._on_traced_forward_start, module, args)
         self._depth += 1
         if self._depth > 1:  # the root called again from inside its own forward
             return
@@ -234,14 +243,45 @@ class Probe:
             # Ranks must flush at the same steps: a sampled step opens the window even on a rank
             # whose forward issues no attention call.
             self._window.append(self._step)
+        if self._eager.in_graph and not self._eager.active:
+            self._warn_compiled("skipped", f"probe: step {self._step} was sampled but the model's root forward "
+                                "already runs compiled (torch.compile applied after probe.watch, model.compile() or "
+                                "a compiled training step); probe skipped it and runs later sampled steps eagerly. "
+                                "To probe from the first step, watch the compiled module: "
+                                "probe.watch(torch.compile(model)).")
+            return
+        self._eager.enter()  # compiled code in this forward runs eagerly, so the capture sees it
+        self._emitted_before = self._emitted
         self._stack.activate()
         self._mode = CaptureMode(self._frontends, self._emit)
         self._mode.__enter__()
 
+    def _on_traced_forward_start(self, module: nn.Module, args: Any) -> None:
+        self._eager.hooks_traced = self._eager.in_graph = True
+        try:
+            self._on_forward_start(module, args)
+        finally:
+            self._eager.in_graph = False
+
     def _on_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return outside_graph(self._on_forward_end, module, args, output)
         self._depth = max(0, self._depth - 1)
         if self._depth == 0:
+            captured = self._mode is not None
             self._stop_capture()
+            self._eager.exit()
+            if captured and self._emitted == self._emitted_before and (self._eager.hooks_traced or is_compiled(self.model)):
+                self._warn_compiled("empty", f"probe: step {self._step} was sampled but no attention call was "
+                                    "captured in this compiled or scripted model: its graph does not run probe's "
+                                    "capture (TorchScript, an exported or AOT-compiled artifact?). Watch the "
+                                    "nn.Module, or the torch.compile'd module, instead.")
+            self._eager.arm(((self._step + 1) if self._auto_step else self._step) % self.every == 0)
+
+    def _warn_compiled(self, kind: str, message: str) -> None:
+        if kind not in self._warned_compiled:
+            self._warned_compiled.add(kind)
+            warnings.warn(message, UserWarning, stacklevel=3)
 
     def _stop_capture(self) -> None:
         if self._mode is not None:
@@ -257,6 +297,7 @@ class Probe:
         return scales
 
     def _emit(self, call: AttentionCall) -> None:
+        self._emitted += 1
         name, index = self._stack.next_site()
         if not self._window or self._window[-1] != self._step:
             self._window.append(self._step)
@@ -434,6 +475,7 @@ class Probe:
         self._handles = []
         self._grad_hooks.remove()
         self._stop_capture()
+        self._eager.exit()
         try:
             if self._dist is not None:
                 # A collective: every rank closes and flushes, even one with nothing to add.

@@ -1,0 +1,146 @@
+"""torch.compile support: sampled steps run eagerly, unsampled steps run the compiled code.
+
+probe measures attention through a ``TorchFunctionMode`` and Python hooks, which a compiled graph
+does not run: inside Dynamo the mode would be traced into the graph (a recompile on every sampled
+step, because the mode stack and the global module hooks are guarded), or skipped altogether by a
+backend that never calls Python. So on a sampled step probe sets the compiler stance
+``torch.compiler.set_stance("force_eager")`` for the duration of the root forward: compiled
+functions and modules run their original Python code, the capture sees every attention call,
+and the statistics are those of eager mode *exactly* (they are eager mode). Unsampled steps run
+the compiled code untouched: no recompile, no extra guard.
+
+Where the stance can be set depends on who compiled what:
+
+- ``probe.watch(torch.compile(model))`` or compiled sub-modules: probe's root hooks run before
+  the compiled code, the stance applies to the same step. No graph break.
+- ``torch.compile`` applied after ``probe.watch(model)``, ``model.compile()``, or a compiled
+  training step calling the model: Dynamo traces the root module's hooks. probe's hooks then
+  run outside the graph (``torch._dynamo.disable``: one graph break at the start and one at
+  the end of the root forward, no break inside the model) and the stance, which only applies
+  when a compiled function is entered, is armed at the end of the step before each sampled step.
+  The first sampled step seen this way ran compiled before probe could intervene: probe skips it
+  with a warning, and probes the following sampled steps.
+
+Pitfalls: ``fullgraph=True`` around the root hooks is an error (the hooks are a graph break):
+compile the model and watch the compiled module instead. On a sampled step the model runs at
+eager speed and with eager numerics (differences of float rounding from the fused kernels).
+A sampled step of a compiled or scripted model that yields no attention call at all (a graph
+that never runs Python, e.g. TorchScript or an AOT-compiled artifact) is reported by a warning,
+never by silent empty statistics.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any, Callable, List, Optional
+
+import torch
+from torch import nn
+
+from probe.errors import ProbeError
+
+__all__ = ["EagerSteps", "check_model", "is_compiled", "outside_graph"]
+
+
+def _dynamo() -> Optional[Any]:
+    # Only touch Dynamo when the user already loaded it: importing it costs seconds.
+    return sys.modules.get("torch._dynamo")
+
+
+def outside_graph(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call ``fn(*args)`` eagerly even while Dynamo traces the caller (a graph break).
+
+    Used by probe's root hooks when ``torch.compiler.is_compiling()``: hooks that step counters,
+    enter modes and register global hooks must not become part of a graph.
+    """
+    import torch._dynamo
+
+    return torch._dynamo.disable(fn, recursive=True)(*args)
+
+
+def _set_stance(stance: str) -> Any:
+    import torch._dynamo
+
+    # set_stance refuses to run inside a compiled region; a disabled function is never one.
+    return torch._dynamo.disable(lambda: torch._dynamo.set_stance(stance))()
+
+
+def _restore(ctx: Any) -> None:
+    import torch._dynamo
+
+    torch._dynamo.disable(lambda: ctx.__exit__(None, None, None))()
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` or a sub-module is compiled (``torch.compile``, ``Module.compile``) or
+    scripted (TorchScript): the cases where a sampled step may run code probe cannot see."""
+    for module in model.modules():
+        if isinstance(module, torch.jit.ScriptModule) or hasattr(module, "_orig_mod"):
+            return True
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            return True
+    return False
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse a TorchScript root (no Python runs inside it, so nothing could ever be captured)
+    and warn about TorchScript sub-modules, whose attention calls probe cannot see.
+
+    Raises:
+        ProbeError: for a ``torch.jit.ScriptModule`` root.
+    """
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ProbeError(
+            "expected `model` to be an eager or torch.compile'd nn.Module, got a TorchScript "
+            f"{type(model).__name__}: its attention runs in TorchScript's interpreter, which probe cannot see"
+        )
+    hidden: List[str] = []
+    for name, module in model.named_modules():
+        inside = any(name.startswith(outer + ".") for outer in hidden)
+        if isinstance(module, torch.jit.ScriptModule) and not inside:
+            hidden.append(name)
+    if hidden:
+        warnings.warn(
+            f"probe: attention inside the TorchScript sub-modules {', '.join(hidden[:5])} is invisible to probe",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+class EagerSteps:
+    """Holds ``force_eager`` while a sampled step runs; re-arms it before the next one when the
+    root hooks are traced (see the module doc).
+
+    Attributes:
+        hooks_traced: Dynamo was seen tracing the root hooks (the root forward is compiled).
+        in_graph: the current hook call came from a traced (compiled) root forward.
+    """
+
+    def __init__(self) -> None:
+        self._ctx: Optional[Any] = None
+        self.hooks_traced = False
+        self.in_graph = False
+
+    @property
+    def active(self) -> bool:
+        """Whether this object currently holds the ``force_eager`` stance."""
+        return self._ctx is not None
+
+    def enter(self) -> None:
+        """Set ``force_eager`` (no-op when Dynamo is not loaded: nothing can be compiled)."""
+        if self._ctx is None and _dynamo() is not None:
+            self._ctx = _set_stance("force_eager")
+
+    def exit(self) -> None:
+        """Restore the stance that was in effect before :meth:`enter`. Safe to call twice."""
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            _restore(ctx)
+
+    def arm(self, next_sampled: bool) -> None:
+        """Before the next root forward: eager if it is sampled and the root hooks are traced."""
+        if self.hooks_traced and next_sampled:
+            self.enter()
+        else:
+            self.exit()
