@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +75,28 @@ class _Meta:
     factor: float = 1.0
     merged: Optional[Tuple[int, int]] = None  # (B, H) when this (B*H, L, d) came from (B, H, L, d)
     src: Optional[Tensor] = None  # this tensor is ``src.transpose(-1, -2)`` (the model's own k)
+    whole: Optional[Tensor] = None  # the (B, H, n, d) tensor this (B*H, n, d) one was reshaped from
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A softmax over scores, waiting for its product with v (then the call gets v and output)."""
+
+    call: AttentionCall
+    merged: Optional[Tuple[int, int]]
+    emit: Callable[[AttentionCall], None]
+    done: bool = False
+
+    def fire(self, v: Optional[Tensor] = None, output: Optional[Tensor] = None) -> None:
+        if not self.done:
+            self.done = True
+            self.call.v, self.call.output = v, output
+            self.emit(self.call)
+
+
+def _permuted(t: Tensor, dims: List[int]) -> Tensor:
+    # The tensor itself when nothing moves, so that hooks on it see the model's gradient.
+    return t if dims == list(range(t.dim())) else t.permute(dims)
 
 
 def _number(x: Any) -> bool:
@@ -86,6 +108,7 @@ class EagerFrontEnd:
 
     def __init__(self) -> None:
         self._table: Dict[int, Tuple[weakref.ref, Any]] = {}
+        self._pending: List[_Pending] = []
         self._warned = False
         self._handlers: Dict[Callable[..., Any], Callable[..., None]] = {}
         for names, extra, handler in (
@@ -99,7 +122,7 @@ class EagerFrontEnd:
             ("masked_fill masked_fill_", (torch.masked_fill,), self._on_masked_fill),
             ("", (torch.where,), self._on_where),
             ("tanh", (torch.tanh,), self._on_tanh),
-            ("float to type type_as contiguous half bfloat16 double", (), self._on_cast),
+            ("float to type type_as contiguous half bfloat16 double", (F.dropout, torch.dropout), self._on_cast),
             ("view reshape transpose", (torch.reshape, torch.transpose), self._on_view),
             ("clamp clamp_ __rsub__ __rdiv__", (torch.clamp,), self._on_other),
             ("softmax", (torch.softmax, F.softmax), self._on_softmax),
@@ -125,8 +148,18 @@ class EagerFrontEnd:
         return out
 
     def reset(self) -> None:
-        """Forget every record (called when the capture mode exits)."""
-        self._table.clear()
+        """Emit what still waits for its ``P @ v``, forget every record (the capture mode exits)."""
+        try:
+            self._fire_pending()
+        finally:
+            self._table.clear()
+            self._pending = []
+
+    def _fire_pending(self) -> None:
+        # A softmax whose probabilities never met a product with v is emitted without v.
+        pending, self._pending = self._pending, []
+        for p in pending:
+            p.fire()
 
     # -- the provenance table --------------------------------------------------------------------
     def _get(self, t: Any) -> Any:
@@ -155,8 +188,9 @@ class EagerFrontEnd:
         return None, -1
 
     # -- products ----------------------------------------------------------------------------------
-    def _start(self, a: Any, b: Any, out: Any, scale: float = 1.0) -> Optional[_Scores]:
-        """A score record for ``out = a @ b`` when both are batched activations."""
+    def _start(self, a: Any, b: Any, out: Any, scale: float = 1.0, k: Optional[Tensor] = None) -> Optional[_Scores]:
+        """A score record for ``out = a @ b`` when both are batched activations (``k``: the
+        model's own ``b.transpose(-1, -2)`` when the caller knows it)."""
         if not (isinstance(a, Tensor) and isinstance(b, Tensor) and isinstance(out, Tensor)):
             return None
         if a.dim() != b.dim() or a.dim() not in (3, 4) or isinstance(a, nn.Parameter) or isinstance(b, nn.Parameter):
@@ -168,13 +202,15 @@ class EagerFrontEnd:
             b, scale = mb.base, scale * mb.factor
         q = a
         # k is the model's own tensor when kᵀ was made by a transpose we saw (grad hooks need it)
-        k = mb.src if isinstance(mb, _Meta) and mb.src is not None else b.transpose(-1, -2)
+        if k is None:
+            k = mb.src if isinstance(mb, _Meta) and mb.src is not None else b.transpose(-1, -2)
         merged = None
         if a.dim() == 3:
             merged = ma.merged if isinstance(ma, _Meta) else None
             if merged is not None and q.shape[0] == k.shape[0] == merged[0] * merged[1]:
-                q = q.reshape(merged[0], merged[1], *q.shape[1:])
-                k = k.reshape(merged[0], merged[1], *k.shape[1:])
+                # the model's own 4-D q and k where seen (their gradients reach the grad hooks)
+                q = self._whole(q, merged)
+                k = self._whole(k, merged)
             else:
                 merged = None
                 q, k = q.unsqueeze(1), k.unsqueeze(1)
@@ -182,10 +218,30 @@ class EagerFrontEnd:
             return None
         return _Scores(q=q, k=k, ndim=out.dim(), merged=merged, scale=scale)
 
+    def _whole(self, t: Tensor, merged: Tuple[int, int]) -> Tensor:
+        meta = self._get(t)
+        if isinstance(meta, _Meta) and meta.whole is not None and meta.base is None:
+            return meta.whole
+        return t.reshape(merged[0], merged[1], *t.shape[1:])
+
     def _on_matmul(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
         a = args[0] if args else kwargs.get("input")
         b = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
+        probs = self._get(a)
+        if isinstance(probs, _Pending):  # P @ v: the call is complete
+            if isinstance(b, Tensor) and isinstance(out, Tensor) and a.dim() == b.dim() == out.dim() in (3, 4):
+                probs.fire(self._heads(b, probs.merged), self._heads(out, probs.merged))
+            return
         self._set(out, self._start(a, b, out))
+
+    @staticmethod
+    def _heads(t: Tensor, merged: Optional[Tuple[int, int]]) -> Tensor:
+        """(B, H, n, d) from a 4-D tensor or a (B*H, n, d) one."""
+        if t.dim() == 4:
+            return t
+        if merged is not None and t.shape[0] == merged[0] * merged[1]:
+            return t.reshape(merged[0], merged[1], *t.shape[1:])
+        return t.unsqueeze(1)
 
     def _on_baddbmm(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
         if len(args) < 3:
@@ -216,9 +272,16 @@ class EagerFrontEnd:
         if not all(c in sa and c in sb for c in batch):
             return
         (di,) = d
-        a = ops[0].permute([sa.index(c) for c in batch + qi + di])
-        b = ops[1].permute([sb.index(c) for c in batch + di + ki])
-        self._set(out, self._start(a, b, out))
+        probs = self._get(ops[0])
+        if isinstance(probs, _Pending):  # einsum("bhqk,bhkd->bhqd", P, v), any letters
+            # here di is the key letter (contracted) and ki the value feature letter
+            v = _permuted(ops[1], [sb.index(c) for c in batch + di + ki])
+            if isinstance(out, Tensor) and v.dim() == out.dim():
+                probs.fire(self._heads(v, probs.merged), self._heads(out, probs.merged))
+            return
+        a = _permuted(ops[0], [sa.index(c) for c in batch + qi + di])
+        k = _permuted(ops[1], [sb.index(c) for c in batch + ki + di])
+        self._set(out, self._start(a, k.transpose(-1, -2), out, k=k))
 
     # -- scale -------------------------------------------------------------------------------------
     @staticmethod
@@ -347,7 +410,7 @@ class EagerFrontEnd:
     def _on_cast(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
         if isinstance(out, Tensor) and args:
             record = self._get(args[0])
-            if isinstance(record, _Scores):
+            if isinstance(record, (_Scores, _Pending)):
                 self._set(out, record)
 
     def _on_view(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
@@ -358,10 +421,14 @@ class EagerFrontEnd:
         if isinstance(record, _Scores):
             self._set(out, self._reshaped(record, x, out))
             return
+        if isinstance(record, _Pending):  # probabilities viewed between layouts, same values
+            if x.shape[-2:] == out.shape[-2:]:
+                self._set(out, record)
+            return
         if func in (_TB.transpose, torch.transpose):
             if isinstance(record, _Meta) and record.base is not None:
                 self._set(out, _Meta(base=func(record.base, *args[1:], **kwargs), factor=record.factor))
-            elif record is None and x.dim() in (3, 4) and len(args) == 3 and all(isinstance(a, int) for a in args[1:]):
+            elif x.dim() in (3, 4) and len(args) == 3 and all(isinstance(a, int) for a in args[1:]):
                 if {args[1] % x.dim(), args[2] % x.dim()} == {x.dim() - 2, x.dim() - 1}:
                     self._set(out, _Meta(src=x))
             return
@@ -372,7 +439,7 @@ class EagerFrontEnd:
             base = record.base.reshape(out.shape) if out.shape != x.shape else record.base
             self._set(out, _Meta(base=base, factor=record.factor, merged=merged or record.merged))
         elif merged is not None:
-            self._set(out, _Meta(merged=merged))
+            self._set(out, _Meta(merged=merged, whole=x))
 
     @staticmethod
     def _reshaped(node: _Scores, x: Tensor, out: Tensor) -> Optional[_Scores]:
@@ -402,7 +469,14 @@ class EagerFrontEnd:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if not isinstance(dim, int) or dim not in (-1, x.dim() - 1):
             return
-        emit(self._call(node, x))
+        self._fire_pending()
+        call = self._call(node, x)
+        if call.scale is None or not isinstance(out, Tensor):
+            emit(call)  # unknown scale: no counterfactual gradients either, so no need for v
+            return
+        pending = _Pending(call, node.merged, emit)
+        self._pending.append(pending)
+        self._set(out, pending)
 
     def _lift(self, t: Tensor, layout: int, node: _Scores) -> Tensor:
         """A bias or mask applied to a ``layout``-dim score tensor, broadcastable to (B, H, L, S)."""

@@ -36,6 +36,13 @@ class Eager(nn.Module):
         self.register_buffer("alibi", torch.randn(B * H, 1, L))
         self.seen: dict = {}
 
+    def _keep(self, z: torch.Tensor) -> torch.Tensor:
+        """The softmax input, kept with its gradient (the reference for grad_logits)."""
+        if z.requires_grad:
+            z.retain_grad()
+        self.z = z
+        return z
+
     def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
         s = D ** -0.5
@@ -47,16 +54,19 @@ class Eager(nn.Module):
         if style == "hf":  # Llama / BERT / GPT-2 in transformers 5
             att = torch.matmul(q, k.transpose(2, 3)) * s
             att = att + add
+            att = self._keep(att)
             att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
         elif style == "gpt2_full":  # GPT-2 before transformers 4.4x: / torch.full([], sqrt(d)), where(...)
             att = torch.matmul(q, k.transpose(-1, -2))
             att = att / torch.full([], v.size(-1) ** 0.5, dtype=att.dtype)
             att = torch.where(causal, att, torch.full([], torch.finfo(att.dtype).min))
+            att = self._keep(att)
             att = nn.functional.softmax(att, dim=-1)
             seen["valid"] = full & causal
         elif style == "nanogpt":
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
             att = att.masked_fill(self.tril[:, :, :L, :L] == 0, float("-inf"))
+            att = self._keep(att)
             att = F.softmax(att, dim=-1)
             seen["valid"] = full & causal
         elif style == "t5_inplace":  # scores += position_bias, scale 1
@@ -64,29 +74,35 @@ class Eager(nn.Module):
             att = torch.matmul(q, k.transpose(3, 2))
             att += bias
             att = att + add
-            att = torch.softmax(att.float(), dim=-1).type_as(att)
+            att = self._keep(att.float())
+            att = torch.softmax(att, dim=-1).type_as(att)
             seen.update(scale=1.0, bias=bias)
         elif style == "timm":
             q = q * s
             att = q @ k.transpose(-2, -1)
+            att = self._keep(att)
             att = att.softmax(dim=-1)
             seen["valid"] = full
         elif style == "bmm":  # (B*H, L, d) layout: heads recovered from the reshape
             att = torch.bmm(q.reshape(B * H, L, D), k.reshape(B * H, L, D).transpose(1, 2)) / math.sqrt(D)
             att = att.view(B, H, L, L) + add
-            att = att.view(B * H, L, L).softmax(-1)
+            att = self._keep(att.view(B * H, L, L))
+            att = att.softmax(-1)
             seen["valid"] = full & pad[:, None, None, :]
         elif style == "baddbmm":  # Bloom-style alibi: baddbmm(bias, q, kᵀ, beta=1, alpha=s)
             alibi = self.alibi
             att = torch.baddbmm(alibi, q.reshape(B * H, L, D), k.reshape(B * H, L, D).transpose(1, 2), beta=1.0, alpha=s)
+            att = self._keep(att)
             att = att.view(B, H, L, L).softmax(-1)
             seen.update(valid=full, bias=alibi.view(B, H, 1, L))
         elif style == "einsum":
             att = torch.einsum("bhqd,bhkd->bhqk", q, k) * s
             att = att.masked_fill(~pad[:, None, None, :], -1e9)
+            att = self._keep(att)
             att = att.softmax(-1)
         elif style == "einsum_blhd":
             att = torch.einsum("bqhd,bkhd->bhqk", q.transpose(1, 2), k.transpose(1, 2)) * s
+            att = self._keep(att)
             att = torch.softmax(att, -1)
             seen["valid"] = full
         elif style == "softcap":  # Gemma 2
@@ -95,26 +111,33 @@ class Eager(nn.Module):
             att = torch.tanh(att)
             att = att * self.softcap
             att = att + add
+            att = self._keep(att)
             att = F.softmax(att, dim=-1, dtype=torch.float32)
             seen["softcap"] = self.softcap
         elif style == "shifted":  # a row-max shift for stability is an additive bias
             att = torch.matmul(q, k.transpose(-1, -2)) * s + add
             shift = att.amax(-1, keepdim=True).detach()
             att = att - shift
+            att = self._keep(att)
             att = att.softmax(-1)
             seen["bias"] = add - shift
         elif style == "per_head":
             att = torch.matmul(q, k.transpose(-1, -2)) * self.head_scale.view(1, H, 1, 1)
+            att = self._keep(att)
             att = att.softmax(-1)
             seen.update(valid=full, scale=self.head_scale.detach())
         elif style == "unknown":  # a clamp the record cannot describe
             att = (torch.matmul(q, k.transpose(-1, -2)) * s).clamp(max=1e4) + add
             seen["logits"] = att
+            att = self._keep(att)
             att = att.softmax(-1)
         else:
             raise ValueError(style)
         self.seen = seen
-        out = att.reshape(B, H, L, L) @ v
+        if style.startswith("einsum"):
+            out = torch.einsum("bhqk,bhkd->bhqd", att, v)
+        else:
+            out = att.reshape(B, H, L, L) @ v
         return out.transpose(1, 2).reshape(B, L, H * D)
 
 
@@ -273,3 +296,19 @@ def test_gradients_unchanged_and_q_grad_seen():
     assert all(torch.equal(a, b) for a, b in zip(got, ref)) and len(got) == len(ref)
     metrics = p.summary().to_dict()["sites"]["root"]["metrics"]
     assert "grad_q" in metrics and "grad_k" in metrics
+
+
+@pytest.mark.parametrize("style", ["hf", "nanogpt", "t5_inplace", "timm", "bmm", "baddbmm", "einsum", "softcap"])
+def test_grad_logits_is_the_gradient_of_the_softmax_input(style):
+    # Once P @ v is seen the call carries v and the output, so the backward metrics exist; at
+    # `actual` grad_logits is ‖∂L/∂Z‖ per head for the Z the softmax consumed (from autograd).
+    model = Eager(style)
+    x, pad = _batch()
+    with probe.watch(model) as p:
+        out = model(x, pad)
+        out.square().sum().backward()
+    s = p.summary()
+    ref = model.z.grad.double().reshape(B, H, L, L).square().sum((0, 2, 3)).sqrt().numpy()
+    np.testing.assert_allclose(s.value("root", "grad_logits"), ref, rtol=1e-4)
+    metrics = s.to_dict()["sites"]["root"]["metrics"]
+    assert {"grad_q", "grad_k", "grad_v"} <= set(metrics)

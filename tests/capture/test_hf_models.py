@@ -281,3 +281,26 @@ def test_kv_cache_generate_eager_and_sdpa(name):
         assert eager.info(site)["calls"] == sdpa.info(site)["calls"] == 3
         for metric in METRICS:
             np.testing.assert_allclose(eager.value(site, metric), sdpa.value(site, metric), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2_inverse", "t5"])
+def test_backward_metrics_eager_and_sdpa_agree(name):
+    # Eager calls carry v and the output once P @ v is seen: grad_logits at every scale and
+    # grad_q / grad_k / grad_v from autograd, the same as the SDPA implementation's.
+    summaries = {}
+    for attn in ("eager", "sdpa"):
+        model = build(name, attn)
+        with probe.watch(model) as p:
+            out = _main(model(**inputs(name)))
+            # a fixed random projection: the mean square of a LayerNorm output has ~no gradient
+            (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
+        _assert_clean(model)
+        summaries[attn] = p.summary()
+    eager, sdpa = summaries["eager"], summaries["sdpa"]
+    for site in sites(name):
+        for metric in ("grad_q", "grad_k", "grad_v"):
+            np.testing.assert_allclose(eager.value(site, metric), sdpa.value(site, metric), rtol=1e-4, atol=1e-9,
+                                       err_msg=f"{site} {metric}")
+        for scale in SCALES:
+            np.testing.assert_allclose(eager.value(site, "grad_logits", scale), sdpa.value(site, "grad_logits", scale),
+                                       rtol=1e-4, atol=1e-9, err_msg=f"{site} grad_logits@{scale}")
