@@ -41,6 +41,9 @@ class AttentionCall:
         logits: the softmax input ``(B, H, L, S)`` of an eager call whose scale could not be
             recovered (``scale`` is then ``None``); probe reports such a call at ``actual`` only,
             from these logits (see :mod:`probe.stats.eager_logits`). ``None`` otherwise.
+        probs: the softmax output ``P`` of an eager call, exactly as the model produced it (any
+            layout with ``B·H·L·S`` elements), for the backward hook: its gradient is
+            ``dP = ∂L/∂P`` (eager records have no ``v`` or ``output``). ``None`` otherwise.
     """
 
     q: Tensor
@@ -55,6 +58,7 @@ class AttentionCall:
     site: str = "root"
     kind: str = "sdpa"
     logits: Optional[Tensor] = None
+    probs: Optional[Tensor] = None
 
     @property
     def heads(self) -> int:

@@ -5,6 +5,8 @@ registers (during the forward):
 
 * a hook on the attention output: it receives ``∂L/∂out`` and computes ``grad_logits`` at every
   scale from the call's (detached) q, k, v and mask (:func:`probe.stats.grads.grad_logits_stats`);
+  for an eager call, which has no output or v in its record, a hook on the softmax output
+  (``call.probs``) receives ``dP = ∂L/∂P`` directly;
 * a hook on each of q, k, v that requires grad: it receives autograd's gradient for that tensor
   and reduces it to per-head sums of squares (:func:`probe.stats.grads.head_sq`).
 
@@ -62,10 +64,11 @@ class GradHooks:
         call: AttentionCall,
         key: Hashable,
         step: int,
-        scales: Mapping[str, Scale],
+        scales: Mapping[str, Optional[Scale]],
         budget_bytes: int,
     ) -> int:
-        """Hook ``call``'s output and q, k, v; returns how many hooks were registered.
+        """Hook ``call``'s output (an eager call's softmax output) and q, k, v; returns how many
+        hooks were registered.
 
         Nothing is registered when grad mode is off or no tensor requires grad (inference), so
         grad metrics are then absent, not zero. Tensors passed as more than one of q, k, v (the
@@ -75,17 +78,28 @@ class GradHooks:
             return 0
         before = len(self._handles)
         self.step = step
-        out = call.output
+        if call.scale is None:
+            # Counterfactual scales need Z = σR + A; an eager call whose scale is unknown is
+            # measured at `actual` only, from its own logits (as its forward metrics are).
+            scales = {"actual": None} if call.logits is not None else {}
+        else:
+            scales = {name: value for name, value in scales.items() if value is not None}
+        out, probs = call.output, call.probs
+        source = None
         if isinstance(out, Tensor) and out.requires_grad and call.v is not None:
-            # A slim copy of the record: detached tensors, no reference to `out` itself (the
-            # output holds the hook; a reference back would make a cycle only GC can free).
+            source = out  # its gradient ∂L/∂out gives dP = ∂L/∂out · vᵀ
+        elif isinstance(probs, Tensor) and probs.requires_grad:
+            source = probs  # an eager softmax output: its gradient is dP itself
+        if source is not None and scales:
+            # A slim copy of the record: detached tensors, no reference to the hooked tensor
+            # itself (it holds the hook; a reference back would make a cycle only GC can free).
             record = AttentionCall(
                 q=call.q.detach(), k=call.k.detach(), v=_detached(call.v), scale=call.scale,
                 bias=_detached(call.bias), mask=_detached(call.mask), causal=call.causal,
-                softcap=call.softcap, output=None, site=call.site, kind=call.kind,
+                softcap=call.softcap, site=call.site, kind=call.kind, logits=_detached(call.logits),
             )
-            scales = {n: s for n, s in scales.items() if s is not None}  # an unknown actual scale
-            self._handles.append(out.register_hook(self._output_hook(record, key, step, scales, budget_bytes)))
+            hook = self._dp_hook(record, key, step, scales, budget_bytes, from_probs=source is probs)
+            self._handles.append(source.register_hook(hook))
         tensors = {"q": call.q, "k": call.k, "v": call.v}
         for name, t in tensors.items():
             if not isinstance(t, Tensor) or not t.requires_grad:
@@ -95,13 +109,17 @@ class GradHooks:
             self._handles.append(t.register_hook(self._input_hook(f"grad_{name}_sq", key, step)))
         return len(self._handles) - before
 
-    def _output_hook(
-        self, record: AttentionCall, key: Hashable, step: int, scales: Dict[str, Scale], budget: int
+    def _dp_hook(
+        self, record: AttentionCall, key: Hashable, step: int, scales: Dict[str, Optional[Scale]], budget: int,
+        from_probs: bool,
     ) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
             try:
                 with torch.no_grad():
-                    fields = grad_logits_stats(record, grad, scales, budget)
+                    if from_probs:
+                        fields = grad_logits_stats(record, None, scales, budget, grad_probs=grad)
+                    else:
+                        fields = grad_logits_stats(record, grad, scales, budget)
                 if fields:
                     self._add(key, step, fields)
             except Exception as err:  # noqa: BLE001 - a diagnostic never breaks training

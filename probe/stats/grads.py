@@ -94,8 +94,9 @@ def grad_logits_chunk(
         scale: σ, a float or a per-head 1-D tensor.
         softcap: the logit soft-capping constant ``c`` or ``None``.
 
-    Pitfall: masked entries are removed with ``where`` before the exponential, never by
-    multiplying with 0, and a fully masked row divides by 1 instead of 0 (no NaN from 0/0).
+    Pitfall: masked entries are set to ``-inf`` before the exponential, never multiplied by 0
+    (which turns a fully masked row's ``-inf`` into NaN), and a fully masked row divides by 1
+    instead of 0.
     """
     # In-place wherever the tensor is our own: a chunk keeps R, dP, P and the gradient alive
     # (plus one temporary), which is what _BACKWARD_BUFFERS budgets for.
@@ -120,56 +121,90 @@ def grad_logits_chunk(
 
 def grad_logits_stats(
     call: AttentionCall,
-    grad_output: Tensor,
-    scales: Mapping[str, Scale],
+    grad_output: Optional[Tensor],
+    scales: Mapping[str, Optional[Scale]],
     budget_bytes: int = 64 * 2**20,
+    *,
+    grad_probs: Optional[Tensor] = None,
 ) -> Dict[str, Tensor]:
     """``grad_logits_sq@{scale}`` for every scale: per-head sums of squares of ``∂L/∂Z^σ``.
 
-    One ``q·kᵀ`` and one ``dO·vᵀ`` per chunk of query rows serve every scale; scales with the
-    same value share one pass.
+    ``dP`` is ``grad_output · vᵀ`` or, for an eager call whose softmax output was hooked, the
+    hooked gradient ``grad_probs = ∂L/∂P`` itself. One ``q·kᵀ`` and one ``dP`` per chunk of query
+    rows serve every scale; scales with the same value share one pass.
 
     Args:
         call: the attention computation (``q``, ``k``, ``v``, bias/mask, causal, softcap).
-        grad_output: ``∂L/∂out``, ``(B, H, L, dv)`` (what a hook on ``call.output`` receives).
-        scales: scale name → value.
+        grad_output: ``∂L/∂out``, ``(B, H, L, dv)`` (what a hook on ``call.output`` receives), or
+            ``None`` when ``grad_probs`` is given.
+        scales: scale name → value. ``None`` stands for the call's own logits (``call.logits``,
+            an eager call whose scale could not be recovered): ``P = softmax(call.logits)``.
         budget_bytes: extra memory one chunk may use.
+        grad_probs: ``∂L/∂P`` in any layout with ``B·H·L·S`` elements (an eager softmax output
+            may be ``(B·H, L, S)``).
 
     Returns:
         ``{"grad_logits_sq@{name}": (H,) tensor}`` in the accumulation dtype; empty when the call
-        has no query rows or no ``v``.
+        has no query rows or no source for ``dP``.
 
-    Pitfall: with attention dropout the model's softmax gradient is masked and rescaled by the
-    dropout; this is the gradient without it (the actual scale is then an approximation).
+    Pitfall: with attention dropout *after* the softmax, ``grad_output · vᵀ`` misses the dropout
+    mask and its ``1/(1-p)`` rescaling (SDPA's ``dropout_p``): the actual scale is then an
+    approximation. ``grad_probs`` (eager) already contains them and is exact.
     """
-    if call.v is None:
-        return {}
-    q, k, v = call.q, call.k, call.v
+    q, k = call.q, call.k
     batch, heads, length, _ = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     acc = accumulation_dtype(q.device)
+    if grad_probs is not None:
+        dprobs = grad_probs.reshape(batch, heads, length, keys)
+
+        def dp_rows(r0: int, r1: int) -> Tensor:
+            return dprobs[:, :, r0:r1].float()
+
+    elif grad_output is not None and call.v is not None:
+        vt = call.v.float().transpose(-1, -2)  # (B, Hk, dv, S)
+        dout = grad_output.reshape(batch, heads, length, grad_output.shape[-1])
+
+        def dp_rows(r0: int, r1: int) -> Tensor:
+            return _rows_times_kv(dout[:, :, r0:r1].float(), vt, kv_heads)
+
+    else:
+        return {}
 
     groups: Dict[object, List[str]] = {}
+    own_logits: List[str] = []
     for name, value in scales.items():
+        if value is None:
+            own_logits.append(name)
+            continue
         key = id(value) if isinstance(value, Tensor) else float(value)
         groups.setdefault(key, []).append(name)
 
     # iter_chunks sizes its chunks for the forward's live buffers; ask it for the row count that
     # keeps the backward's larger set of buffers within the budget.
     rows = max(1, budget_bytes // max(1, batch * heads * keys * 4 * _BACKWARD_BUFFERS))
-    forward_row_bytes = max(1, 2**40 // chunk_rows(batch, heads, keys, 2**40))
-    vt = v.float().transpose(-1, -2)  # (B, Hk, dv, S)
-    dout = grad_output.reshape(batch, heads, length, grad_output.shape[-1])
-
     sums: Dict[str, Tensor] = {}
-    r0 = 0
-    for R, valid, bias in iter_chunks(call, rows * forward_row_bytes):
-        r1 = r0 + R.shape[2]
-        dP = _rows_times_kv(dout[:, :, r0:r1].float(), vt, kv_heads)
-        for names in groups.values():
-            part = grad_logits_chunk(R, valid, bias, dP, scales[names[0]], call.softcap).to(acc)
-            sums[names[0]] = part if names[0] not in sums else sums[names[0]] + part
-        r0 = r1
+    if groups:
+        forward_row_bytes = max(1, 2**40 // chunk_rows(batch, heads, keys, 2**40))
+        r0 = 0
+        for R, valid, bias in iter_chunks(call, rows * forward_row_bytes):
+            r1 = r0 + R.shape[2]
+            dP = dp_rows(r0, r1)
+            for names in groups.values():
+                part = grad_logits_chunk(R, valid, bias, dP, scales[names[0]], call.softcap).to(acc)
+                sums[names[0]] = part if names[0] not in sums else sums[names[0]] + part
+            r0 = r1
+    if own_logits and call.logits is not None:
+        logits = call.logits.reshape(batch, heads, length, keys)
+        part_sum: Optional[Tensor] = None
+        for r0 in range(0, length, rows):
+            z = logits[:, :, r0 : r0 + rows].float()
+            # masked entries are -inf or finfo.min in the model's own logits: exp gives 0
+            part = grad_logits_chunk(z, None, None, dp_rows(r0, min(length, r0 + rows)), 1.0).to(acc)
+            part_sum = part if part_sum is None else part_sum + part
+        if part_sum is not None:
+            groups[None] = own_logits
+            sums[own_logits[0]] = part_sum
     out: Dict[str, Tensor] = {}
     for names in groups.values():
         if names[0] in sums:

@@ -76,10 +76,11 @@ def eager_logit_grad_norms(q, k, v, scale, valid, bias, w) -> np.ndarray:
     return g.square().sum((0, 2, 3)).sqrt().numpy()
 
 
-def jacobian_logit_grad_norms(q, k, v, scale, valid, bias, dout, softcap=None) -> np.ndarray:
-    """‖(diag(p) − p pᵀ) dP‖ per head, row by row in numpy, dP = dO · vᵀ held fixed."""
+def jacobian_logit_grad_norms(q, k, v, scale, valid, bias, dout, softcap=None, dp=None) -> np.ndarray:
+    """‖(diag(p) − p pᵀ) dP‖ per head, row by row in numpy, dP = dO · vᵀ held fixed (or ``dp``)."""
     q64, k64, v64 = (t.detach().double().numpy() for t in (q, k, v))
     do64 = dout.detach().double().numpy()
+    dp64 = None if dp is None else dp.detach().double().numpy()
     b_, h_, l_, _ = q64.shape
     groups = h_ // k64.shape[1]
     valid = np.broadcast_to(valid.numpy(), (b_, h_, l_, k64.shape[2]))
@@ -101,7 +102,7 @@ def jacobian_logit_grad_norms(q, k, v, scale, valid, bias, dout, softcap=None) -
                 p = np.exp(z - z.max())
                 p /= p.sum()
                 jac = np.diag(p) - np.outer(p, p)
-                dp = vh[keys] @ do64[b, h, i]
+                dp = vh[keys] @ do64[b, h, i] if dp64 is None else dp64[b, h, i, keys]
                 g = jac @ dp
                 total[h] += g @ g
     return np.sqrt(total)
@@ -192,6 +193,60 @@ def test_per_head_scale_softcap_and_fully_masked_rows_in_the_pure_function():
         ref = jacobian_logit_grad_norms(q, k, v, s, valid, None, dout, softcap=2.0)
         np.testing.assert_allclose(fields[f"grad_logits_sq@{name}"].sqrt().numpy(), ref, rtol=1e-4, err_msg=name)
     assert torch.equal(fields["grad_logits_sq@unscaled"], fields["grad_logits_sq@one"])
+
+
+def test_eager_softmax_output_hook_is_exact_with_dropout_and_a_bmm_layout():
+    """An eager record has no v or output: the hook on the softmax output receives dP = ∂L/∂P
+    itself, dropout mask and 1/(1-p) included, here in a (B·H, L, S) bmm layout."""
+    from probe.capture.grads import GradHooks
+
+    q, k, v = _leaves(l=5, s=6)
+    mask = torch.ones(2, 1, 5, 6, dtype=torch.bool)
+    mask[0, :, :, 4:] = False
+    w = torch.randn(2, 4, 5, 16)
+    keep = (torch.rand(2, 4, 5, 6) > 0.3) / 0.7  # an explicit dropout mask, the same for the reference
+    z = (0.3 * q @ k.transpose(-1, -2)).masked_fill(~mask, -math.inf).reshape(8, 5, 6)
+    probs = torch.softmax(z, dim=-1)  # (B·H, L, S), as a bmm-based model has it
+    out = torch.bmm(probs * keep.reshape(8, 5, 6), v.reshape(8, 6, 16)).reshape(2, 4, 5, 16)
+
+    fields: Dict[str, torch.Tensor] = {}
+    def add(key, step, new):
+        for name, value in new.items():
+            fields[name] = value if name not in fields else fields[name] + value
+
+    hooks = GradHooks(add, warn=pytest.fail)
+    call = AttentionCall(q=q, k=k, v=None, scale=0.3, mask=mask, probs=probs, kind="eager")
+    assert hooks.register(call, "site", 0, {"actual": 0.3, "unscaled": 1.0}, 2**20) == 3  # probs, q, k
+    (out * w).sum().backward()
+    hooks.remove()
+
+    valid = _valid(2, 4, 5, 6, mask=mask)
+    dp = keep * (w @ v.detach().transpose(-1, -2))
+    for name, sigma in (("actual", 0.3), ("unscaled", 1.0)):
+        ref = jacobian_logit_grad_norms(q, k, v, sigma, valid, None, w, dp=dp)
+        np.testing.assert_allclose(fields[f"grad_logits_sq@{name}"].sqrt().numpy(), ref, rtol=1e-4, err_msg=name)
+    np.testing.assert_allclose(fields["grad_q_sq"].sqrt().numpy(), _head_norms(q.grad), rtol=1e-4)
+    np.testing.assert_allclose(fields["grad_k_sq"].sqrt().numpy(), _head_norms(k.grad), rtol=1e-4)
+    assert "grad_v_sq" not in fields  # not in the eager record
+
+
+def test_eager_call_with_unknown_scale_reports_actual_from_its_own_logits():
+    from probe.capture.grads import GradHooks
+
+    q, k, v = _leaves(l=5)
+    w = torch.randn(2, 4, 5, 16)
+    z = q @ k.transpose(-1, -2) * 0.2 - 3.0  # a shift the eager front end cannot describe
+    z = z.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+    probs = torch.softmax(z, dim=-1)
+    fields: Dict[str, torch.Tensor] = {}
+    hooks = GradHooks(lambda key, step, new: fields.update(new), warn=pytest.fail)
+    call = AttentionCall(q=q, k=k, v=None, scale=None, logits=z, probs=probs, kind="eager")
+    hooks.register(call, "site", 0, {"actual": None, "unscaled": 1.0, "standard": 0.25}, 2**20)
+    (probs @ v.detach() * w).sum().backward()
+    hooks.remove()
+    assert [f for f in fields if f.startswith("grad_logits")] == ["grad_logits_sq@actual"]
+    ref = eager_logit_grad_norms(q, k, v, 0.2, _valid(2, 4, 5, 5, causal=True), None, w)
+    np.testing.assert_allclose(fields["grad_logits_sq@actual"].sqrt().numpy(), ref, rtol=1e-4)
 
 
 def test_chunking_gives_the_same_result_as_one_chunk():
