@@ -233,11 +233,12 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
         "check", help="assert stability thresholds on a run; exit 0 pass, 1 violations, 2 usage or unreadable input",
         description="Judge every head of a run against thresholds [SITE_GLOB:]METRIC[@SCALE] OP VALUE. "
                     "Thresholds: --threshold, else --config FILE, else [tool:probe] in pytest.ini / tox.ini / "
-                    "setup.cfg found from the current directory upward, else logit_max < 100 and nonfinite <= 0.",
+                    "setup.cfg ([tool.probe] in pyproject.toml) found from the current directory upward, "
+                    "else logit_max < 100 and nonfinite <= 0.",
     )
     check.add_argument("run", metavar="RUN_DIR_OR_SUMMARY", help="a probe logdir, probe_summary.json or event file")
     check.add_argument("--threshold", "-t", action="append", metavar="EXPR", help="e.g. 'logit_max < 100' (repeatable)")
-    check.add_argument("--config", metavar="FILE", help="read [tool:probe] thresholds from FILE")
+    check.add_argument("--config", metavar="FILE", help="read the probe section's thresholds from FILE")
     check.add_argument("--json", action="store_true", help="print a JSON object for machines")
     check.set_defaults(func=_cmd_check)
     report = sub.add_parser("report", help="print the per-site metrics of a run, without judging")

@@ -9,10 +9,11 @@ Use the ``attention_probe`` fixture; when the ``with`` block exits, the threshol
 
 Thresholds, first found wins: ``attention_probe(model, thresholds=[...])``, the test's marker
 ``@pytest.mark.probe(thresholds=[...])`` (or ``@pytest.mark.probe("logit_max < 50", ...)``), the
-``[tool:probe]`` section of ``pytest.ini`` / ``tox.ini`` / ``setup.cfg`` found from the test file's
-directory upward, then the defaults (``logit_max < 100``, ``nonfinite <= 0``). ``--probe-logdir DIR`` writes
-each block's TensorBoard run and ``probe_summary.json`` under ``DIR/<test id>``; a terminal summary
-section lists the heads closest to (or past) their limits across the session.
+``[tool:probe]`` section of ``pytest.ini`` / ``tox.ini`` / ``setup.cfg`` (``[tool.probe]`` of
+``pyproject.toml``) found from the test file's directory upward, then the defaults
+(``logit_max < 100``, ``nonfinite <= 0``). ``--probe-logdir DIR`` writes each block's TensorBoard
+run and ``probe_summary.json`` under ``DIR/<test id>``; a terminal summary section lists the heads
+closest to (or past) their limits across the session.
 
 Inert until used: the hooks below only add an option, register the marker and, at the end, print
 a section if the fixture ran; nothing is watched, read or written unless the fixture is called.

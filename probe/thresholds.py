@@ -24,7 +24,7 @@ import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -53,8 +53,8 @@ __all__ = [
 #: Megatron-LM) and no NaN/Inf among the logits or probabilities.
 DEFAULT_THRESHOLDS: Tuple[str, ...] = ("logit_max < 100", "nonfinite <= 0")
 
-#: Files searched for a ``[tool:probe]`` section, in this order in each directory.
-CONFIG_FILES: Tuple[str, ...] = ("pytest.ini", "tox.ini", "setup.cfg")
+#: Files searched for the probe section, in this order in each directory (pytest's order).
+CONFIG_FILES: Tuple[str, ...] = ("pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
 CONFIG_SECTION = "tool:probe"
 
 #: Metrics that finalize reports as NaN when a head had nothing to measure.
@@ -358,9 +358,10 @@ def assert_stable(summary: Summary, *thresholds: ThresholdLike) -> None:
 
 # -- config ----------------------------------------------------------------------------------------
 def find_config(start: Union[None, str, os.PathLike] = None) -> Optional[str]:
-    """The first of ``pytest.ini``, ``tox.ini``, ``setup.cfg`` holding a ``[tool:probe]`` section,
-    searching ``start`` (default: the current directory) and then each parent, like pytest's
-    rootdir search. None when there is none."""
+    """The first of ``pytest.ini``, ``pyproject.toml``, ``tox.ini``, ``setup.cfg`` holding a probe
+    section (``[tool:probe]``; ``[tool.probe]`` in ``pyproject.toml``), searching ``start``
+    (default: the current directory) and then each parent, like pytest's rootdir search. Files
+    without the section are skipped. None when there is none."""
     here = os.path.abspath(os.fspath(start) if start is not None else os.getcwd())
     if os.path.isfile(here):
         here = os.path.dirname(here)
@@ -375,41 +376,81 @@ def find_config(start: Union[None, str, os.PathLike] = None) -> Optional[str]:
         here = parent
 
 
-def _read(path: str) -> configparser.ConfigParser:
+def _toml() -> Any:
+    try:
+        import tomllib  # Python >= 3.11
+    except ImportError:  # pragma: no cover - depends on the Python version
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            return None
+    return tomllib
+
+
+def _section_name(path: str) -> str:
+    return "[tool.probe]" if path.endswith(".toml") else f"[{CONFIG_SECTION}]"
+
+
+def _probe_section(path: str) -> Optional[Dict[str, Any]]:
+    """The probe section of a config file as a dict; None when the file has none (or is a
+    ``pyproject.toml`` on a Python without a TOML reader).
+
+    Raises:
+        ProbeError: the file cannot be read or parsed.
+    """
+    if path.endswith(".toml"):
+        toml = _toml()
+        if toml is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                data = toml.load(f)
+        except (OSError, ValueError) as err:  # TOMLDecodeError is a ValueError
+            raise ProbeError(f"cannot read config file {path!r}: {err}") from err
+        tool = data.get("tool")
+        section = tool.get("probe") if isinstance(tool, dict) else None
+        return section if isinstance(section, dict) else None
     parser = configparser.ConfigParser(interpolation=None)
     try:
         with open(path, encoding="utf-8") as f:
             parser.read_file(f, source=path)
     except (OSError, UnicodeDecodeError, configparser.Error) as err:
         raise ProbeError(f"cannot read config file {path!r}: {err}") from err
-    return parser
+    return dict(parser.items(CONFIG_SECTION)) if parser.has_section(CONFIG_SECTION) else None
 
 
 def _has_section(path: str) -> bool:
     try:
-        return _read(path).has_section(CONFIG_SECTION)
+        return _probe_section(path) is not None
     except ProbeError:
-        return False  # an unrelated, unparsable file does not stop the search; pytest does likewise
+        return False  # an unrelated, unparsable file does not stop the search
 
 
 def load_thresholds(
     path: Union[None, str, os.PathLike] = None, start: Union[None, str, os.PathLike] = None
 ) -> Tuple[List[Threshold], Optional[str]]:
-    """Thresholds from ``[tool:probe] thresholds =`` (one expression a line) and the file they
-    came from.
+    """Thresholds from the ``thresholds`` key of the probe section and the file they came from.
+
+    In ``pytest.ini`` / ``tox.ini`` / ``setup.cfg`` the key holds one expression a line (lines
+    starting with ``#`` or ``;`` are comments); in ``pyproject.toml`` it is a list of strings::
+
+        [tool:probe]                        [tool.probe]
+        thresholds =                        thresholds = ["logit_max < 100", "nonfinite <= 0"]
+            logit_max < 100
+            nonfinite <= 0
 
     Args:
-        path: a config file to read (it must have a ``[tool:probe]`` section); None searches
-            upward from ``start`` with :func:`find_config`.
+        path: a config file to read (it must have the section); None searches upward from
+            ``start`` with :func:`find_config`.
         start: where the search begins (default: the current directory).
 
     Returns:
-        ``(thresholds, path)``; the defaults and ``None`` when no config file is found, or when
-        the section has no ``thresholds`` key.
+        ``(thresholds, path)``; the defaults and ``None`` when no config file is found, the
+        defaults and the path when the section has no ``thresholds`` key.
 
     Raises:
-        ProbeError: an unreadable file, a missing section in an explicit ``path``, an empty
-            ``thresholds`` value, or a malformed expression (naming the file).
+        ProbeError: an unreadable file, a missing section in an explicit ``path``, an empty or
+            mistyped ``thresholds`` value, or a malformed expression (naming the file).
     """
     if path is None:
         found = find_config(start)
@@ -417,17 +458,24 @@ def load_thresholds(
             return as_thresholds(None), None
         path = found
     path = os.fspath(path)
-    parser = _read(path)
-    if not parser.has_section(CONFIG_SECTION):
-        raise ProbeError(f"config file {path!r} has no [{CONFIG_SECTION}] section")
-    if not parser.has_option(CONFIG_SECTION, "thresholds"):
+    section = _probe_section(path)
+    where = f"config file {path!r}"
+    if section is None:
+        raise ProbeError(f"{where} has no {_section_name(path)} section")
+    if "thresholds" not in section:
         return as_thresholds(None), path
-    lines = [ln.strip() for ln in parser.get(CONFIG_SECTION, "thresholds").splitlines()]
+    raw = section["thresholds"]
+    if isinstance(raw, str):
+        raw = raw.splitlines()
+    if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
+        raise ProbeError(f"{where}: expected {_section_name(path)} thresholds to be a list of strings, "
+                         f"got {type(raw).__name__}")
+    lines = [ln.strip() for ln in raw]
     lines = [ln for ln in lines if ln and not ln.startswith(("#", ";"))]
     if not lines:
-        raise ProbeError(f"config file {path!r}: expected [{CONFIG_SECTION}] thresholds to list at least one "
+        raise ProbeError(f"{where}: expected {_section_name(path)} thresholds to list at least one "
                          "expression, got an empty value")
     try:
         return [parse_threshold(ln) for ln in lines], path
     except ProbeError as err:
-        raise ProbeError(f"config file {path!r}: {err}") from None
+        raise ProbeError(f"{where}: {err}") from None

@@ -355,3 +355,24 @@ def test_threshold_objects_are_accepted():
     t = Threshold(metric="logit_max", op="<", limit=100.0, site="enc.1.*")
     assert _heads(probe.check(_two_sites(), [t])) == [("enc.1.attn.self", 1)]
     assert str(t) == "enc.1.*:logit_max@actual < 100"
+
+
+def test_pyproject_toml(tmp_path):
+    _write(tmp_path / "setup.cfg", "[tool:probe]\nthresholds = logit_max < 3\n")
+    _write(tmp_path / "pyproject.toml", '[project]\nname = "x"\n')                      # no [tool.probe]
+    assert [t.limit for t in load_thresholds(start=tmp_path)[0]] == [3.0]
+    _write(tmp_path / "pyproject.toml", '[tool.probe]\nthresholds = ["logit_max < 2", "*.self:entropy > 0.1"]\n')
+    thresholds, path = load_thresholds(start=tmp_path)                                  # before tox.ini, setup.cfg
+    assert path == str(tmp_path / "pyproject.toml")
+    assert [(t.site, t.metric, t.limit) for t in thresholds] == [(None, "logit_max", 2.0), ("*.self", "entropy", 0.1)]
+    _write(tmp_path / "pytest.ini", "[tool:probe]\nthresholds = logit_max < 1\n")
+    assert [t.limit for t in load_thresholds(start=tmp_path)[0]] == [1.0]               # pytest.ini first
+    bad = _write(tmp_path / "b" / "pyproject.toml", "[tool.probe]\nthresholds = 100\n")
+    with pytest.raises(probe.ProbeError, match=r"\[tool.probe\] thresholds to be a list of strings, got int"):
+        load_thresholds(bad)
+    broken = _write(tmp_path / "c" / "pyproject.toml", "[tool.probe\n")
+    assert find_config(broken.parent) == str(tmp_path / "pytest.ini")                  # skipped while searching
+    with pytest.raises(probe.ProbeError, match="cannot read config file"):
+        load_thresholds(broken)                                                         # an error when named
+    with pytest.raises(probe.ProbeError, match=r"has no \[tool.probe\] section"):
+        load_thresholds(_write(tmp_path / "d" / "pyproject.toml", "[tool.other]\nx = 1\n"))
