@@ -156,3 +156,40 @@ def test_cli_compare(tmp_path, capsys):
     assert data["sites"]["blocks.0.attn"]["entropy"]["unscaled"] < data["sites"]["blocks.0.attn"]["entropy"]["actual"]
     assert main(["compare", "--scale", "tiny"]) == 2
     assert "scales['tiny']" in capsys.readouterr().err
+
+
+# -- the examples (in-process, tiny settings) -------------------------------------------------------
+def _example(name):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dk_sweep_example_measures_the_seed_claims(tmp_path):
+    sweep = _example("dk_sweep")
+    rows = sweep.sweep(steps=1, batch=2, heads=2, length=16, logdir=str(tmp_path), seed=0)
+    assert list(rows) == list(sweep.DIMS)
+    for d_k, row in rows.items():
+        assert 0.7 < row["logit_var@standard"] < 1.4
+        assert 0.7 < row["logit_var@unscaled"] / d_k < 1.4
+        assert row["entropy@standard"] > 0.7
+    assert rows[1024]["entropy@unscaled"] < rows[16]["entropy@unscaled"] < rows[16]["entropy@standard"]
+    assert "grad_logits@unsc" in sweep.format_table(rows)
+    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+
+
+def test_scaling_ablation_example_runs_and_trains_the_learnable_scales(tmp_path, capsys):
+    ablation = _example("scaling_ablation")
+    results = ablation.main(["--steps", "2", "--every", "1", "--batch", "4", "--logdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "blocks.1.attn" in out and "learned per-head scales" in out
+    assert results["unscaled"]["summary"].info("blocks.0.attn")["scale"] == 1.0
+    assert results["scaled"]["summary"].info("blocks.0.attn")["scale"] == pytest.approx(256**-0.5)
+    learned = results["headwise"]["scales"]
+    assert all(t.shape == (1,) and float(t) != 1.0 for t in learned.values())  # the optimizer moved them
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["headwise", "scaled", "unscaled"]
