@@ -11,8 +11,8 @@ NaN values: for the forward metrics (``logit_var``, ``logit_max``, ``entropy``, 
 ``saturation``) a NaN head had nothing to measure (no valid logits, or no row with two valid
 keys) and is skipped, unless the site counted non-finite logits for that head (``nonfinite > 0``
 at ``actual``): then NaN is a violation of every limit. For ``nonfinite`` and the gradient norms
-NaN never means "no data" and is always a violation. A site where every
-head is NaN for a checked metric is an error ("no data"), so a limit is never met vacuously.
+NaN never means "no data" and is always a violation. A site where every head is NaN for a checked
+metric is an error ("no data"), so a limit is never met vacuously.
 """
 
 from __future__ import annotations
@@ -203,8 +203,10 @@ def as_thresholds(thresholds: Union[None, ThresholdLike, Iterable[ThresholdLike]
 class Violation:
     """One head that breaks one threshold: ``value OP limit`` does not hold.
 
-    ``head`` is None when the value is a head aggregate (TensorBoard scalars without per-head
-    tags); ``value`` is NaN when the head had non-finite logits.
+    ``head`` indexes query heads, kv heads for ``grad_k`` / ``grad_v`` under GQA, and is None when
+    the value is a head aggregate (TensorBoard scalars without per-head tags); ``value`` is NaN
+    when the head had non-finite values. :func:`evaluate` also returns passing heads in this
+    form (``ok`` True, ``excess`` the negative margin).
     """
 
     site: str
@@ -273,7 +275,7 @@ def evaluate(
             try:
                 values = summary.value(site, t.metric, t.scale)
             except ProbeError as err:
-                raise ProbeError(f"threshold {str(t)!r}: {err}") from None
+                raise ProbeError(f"threshold {str(t)!r}: {err}") from err
             aggregated = bool(summary.info(site).get("heads_aggregated", False))
             nan = np.isnan(values)
             if t.metric in NAN_MEANS_NO_DATA:
@@ -478,4 +480,4 @@ def load_thresholds(
     try:
         return [parse_threshold(ln) for ln in lines], path
     except ProbeError as err:
-        raise ProbeError(f"{where}: {err}") from None
+        raise ProbeError(f"{where}: {err}") from err

@@ -376,3 +376,9 @@ def test_pyproject_toml(tmp_path):
         load_thresholds(broken)                                                         # an error when named
     with pytest.raises(probe.ProbeError, match=r"has no \[tool.probe\] section"):
         load_thresholds(_write(tmp_path / "d" / "pyproject.toml", "[tool.other]\nx = 1\n"))
+
+
+def test_gqa_grad_k_is_judged_per_kv_head():
+    s = _summary(a={"logit_max": {"actual": [1.0, 2.0, 3.0, 4.0]}, "nonfinite": {"actual": [0.0] * 4},
+                    "grad_k": {"actual": [0.5, 2.0]}})
+    assert [(v.head, v.value) for v in probe.check(s, ["grad_k < 1", "logit_max < 100"])] == [(1, 2.0)]
