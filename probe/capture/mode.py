@@ -163,6 +163,7 @@ class CaptureMode(TorchFunctionMode):
                 self._routes[func] = frontend
         self._frontends = list(frontends)
         self._emit = emit
+        self._traceable = [(f, fe) for fe in frontends if getattr(fe, "traceable", False) for f in fe.funcs]
 
     def __exit__(self, *exc: Any) -> None:
         # Front ends that track tensors during the forward (eager) forget them here.
@@ -176,6 +177,13 @@ class CaptureMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # Dynamo traces this mode inside a compiled region (FlexAttention compiles its
+            # operator even in eager mode): only front ends marked ``traceable`` may act there.
+            for traced, frontend in self._traceable:
+                if func is traced:
+                    return frontend.handle(func, args, kwargs, self._emit)
+            return func(*args, **kwargs)
         frontend = self._routes.get(func)
         if frontend is None:
             return func(*args, **kwargs)
@@ -190,6 +198,12 @@ class CaptureMode(TorchFunctionMode):
         for frontend in dict.fromkeys(self._routes.values()):
             if getattr(frontend, "pending", None):
                 frontend.drain(self._emit, site)
+
+    def consults_overrides(self, func: Callable[..., Any]) -> bool:
+        """Whether the front end for ``func`` applies :mod:`probe.intervene` overrides itself
+        (its class sets ``applies_overrides = True``), so an intervention mode above this one
+        must leave the call to it: probe then records the overridden scale as ``actual``."""
+        return bool(getattr(self._routes.get(func), "applies_overrides", False))
 
 
 def default_frontends() -> List[FrontEnd]:
