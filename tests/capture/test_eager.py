@@ -46,9 +46,9 @@ class Eager(nn.Module):
     def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
         s = D ** -0.5
-        add = torch.zeros(B, 1, 1, L).masked_fill(~pad[:, None, None, :], torch.finfo(torch.float32).min)
+        add = torch.zeros(B, 1, 1, L, device=x.device).masked_fill(~pad[:, None, None, :], torch.finfo(torch.float32).min)
         causal = self.tril.bool()
-        full = torch.ones(B, H, L, L, dtype=torch.bool)
+        full = torch.ones(B, H, L, L, dtype=torch.bool, device=x.device)
         seen = dict(q=q, k=k, scale=s, valid=full & pad[:, None, None, :], bias=None, softcap=None)
         style = self.style
         if style == "hf":  # Llama / BERT / GPT-2 in transformers 5
@@ -58,8 +58,8 @@ class Eager(nn.Module):
             att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
         elif style == "gpt2_full":  # GPT-2 before transformers 4.4x: / torch.full([], sqrt(d)), where(...)
             att = torch.matmul(q, k.transpose(-1, -2))
-            att = att / torch.full([], v.size(-1) ** 0.5, dtype=att.dtype)
-            att = torch.where(causal, att, torch.full([], torch.finfo(att.dtype).min))
+            att = att / torch.full([], v.size(-1) ** 0.5, dtype=att.dtype, device=x.device)
+            att = torch.where(causal, att, torch.full([], torch.finfo(att.dtype).min, device=x.device))
             att = self._keep(att)
             att = nn.functional.softmax(att, dim=-1)
             seen["valid"] = full & causal
@@ -312,3 +312,27 @@ def test_grad_logits_is_the_gradient_of_the_softmax_input(style):
     np.testing.assert_allclose(s.value("root", "grad_logits"), ref, rtol=1e-4)
     metrics = s.to_dict()["sites"]["root"]["metrics"]
     assert {"grad_q", "grad_k", "grad_v"} <= set(metrics)
+
+
+@pytest.mark.parametrize("style", STYLES + ["unknown"])
+def test_capture_and_reductions_never_sync(style):
+    # On `meta` tensors any host read (.item(), bool(t), nonzero) raises: capture and the
+    # reductions of what it captured must run there unchanged.
+    from probe.capture.mode import CaptureMode
+    from probe.stats.eager_logits import logits_stats
+    from probe.stats.functional import forward_stats
+
+    model = Eager(style).to("meta")
+    x, pad = _batch()
+    calls = []
+    with CaptureMode([EagerFrontEnd()], calls.append):
+        model(x.to("meta"), pad.to("meta"))
+    (call,) = calls
+    with torch.no_grad():  # as the profiler runs them
+        if style == "unknown":
+            assert call.scale is None and call.logits is not None
+            fields = logits_stats(call.logits)
+        else:
+            assert call.v is not None and call.output is not None and call.output.shape == (B, H, L, D)
+            fields = forward_stats(call, {"actual": call.scale, "unscaled": 1.0})
+    assert fields["rows"].device.type == "meta" and fields["entropy@actual"].shape == (H,)
