@@ -185,13 +185,13 @@ class Reducer:
         return torch.cat(parts).to(self.device)
 
     def _all_gather(self, flat: Tensor) -> Tensor:
-        out = torch.empty((self.world, flat.numel()), dtype=flat.dtype, device=flat.device)
-        try:
-            torch.distributed.all_gather_into_tensor(out, flat, group=self.group)
-        except (RuntimeError, NotImplementedError, AttributeError):  # backends without _allgather_base
-            torch.distributed.all_gather(list(out.unbind(0)), flat, group=self.group)
+        out = torch.empty(self.world * flat.numel(), dtype=flat.dtype, device=flat.device)
+        # all_gather_single (torch >= 2.13) is what all_gather_into_tensor became; both write one
+        # contiguous output, which NCCL and gloo fill without a list of per-rank buffers.
+        gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+        gather(out, flat, group=self.group)
         self.collectives += 1
-        return out
+        return out.view(self.world, flat.numel())
 
     def reduce(
         self, states: Dict[Hashable, State], infos: Dict[Hashable, Dict[str, Any]], step: int

@@ -103,6 +103,25 @@ def run_parity(rank: int, world: int, logdir: str) -> Dict[str, Any]:
     return {"summary": summary, "timings": timings, "collectives": counts}
 
 
+def run_fsdp(rank: int, world: int) -> Dict[str, Any]:
+    """FSDP2 ``fully_shard`` on a CPU mesh (gloo): parameters sharded, attention unchanged."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = parity_model()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    p = probe.watch(model)
+    per = 4 // world
+    for step in range(2):
+        x = full_batch(step)[rank * per : (rank + 1) * per]
+        model(x).square().sum().backward()
+    p.close()
+    return {"summary": p.summary().to_dict()}
+
+
 def run_sampling(rank: int) -> Dict[str, Any]:
     model = parity_model()
     p = probe.watch(model, every=3)
@@ -136,6 +155,7 @@ def main() -> None:
             "parity": run_parity(rank, world, os.path.join(outdir, "run")),
             "sampling": run_sampling(rank),
             "uneven": run_uneven(rank),
+            "fsdp": run_fsdp(rank, world),
         }
     finally:
         dist.destroy_process_group()

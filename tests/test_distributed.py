@@ -94,6 +94,16 @@ def test_rank0_equals_one_process_on_the_full_batch_with_grads(ranks):
     assert got.info("layers.0")["calls"] == 8  # each rank's forward is a call: 2 ranks x 4 steps
 
 
+def test_fsdp2_fully_shard_equals_one_process(ranks):
+    model = worker.parity_model()
+    with probe.watch(model) as p:
+        for step in range(2):
+            model(worker.full_batch(step)).square().sum().backward()
+    got = probe.Summary.from_dict(ranks["results"][0]["fsdp"]["summary"])
+    _assert_same(got, p.summary(), calls=False)
+    assert "grad_k" in got.metrics("layers.1")
+
+
 def test_every_rank_reads_the_global_summary(ranks):
     s0 = ranks["results"][0]["parity"]["summary"]
     s1 = ranks["results"][1]["parity"]["summary"]
