@@ -43,7 +43,8 @@ class AttentionCall:
             from these logits (see :mod:`probe.stats.eager_logits`). ``None`` otherwise.
         probs: the softmax output ``P`` of an eager call, exactly as the model produced it (any
             layout with ``B·H·L·S`` elements), for the backward hook: its gradient is
-            ``dP = ∂L/∂P`` (eager records have no ``v`` or ``output``). ``None`` otherwise.
+            ``dP = ∂L/∂P``, dropout between the softmax and ``P @ v`` included; preferred over
+            ``output`` for ``grad_logits`` when both are set. ``None`` otherwise.
     """
 
     q: Tensor

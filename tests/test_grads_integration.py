@@ -226,9 +226,9 @@ def _checkpointed_run(factory, reentrant):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # HF default: non-reentrant
     torch.manual_seed(5)
     ids = torch.randint(0, 64, (2, 9))
+    kwargs = {"use_cache": False} if factory is _train_llama else {}
     with probe.watch(model) as p:
-        _hf_out(model(input_ids=ids, use_cache=False) if factory is _train_llama else model(input_ids=ids)) \
-            .square().mean().backward()
+        _hf_out(model(input_ids=ids, **kwargs)).square().mean().backward()
     return p.summary(), [w.grad.clone() for w in model.parameters() if w.grad is not None]
 
 

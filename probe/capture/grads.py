@@ -5,8 +5,8 @@ registers (during the forward):
 
 * a hook on the attention output: it receives ``∂L/∂out`` and computes ``grad_logits`` at every
   scale from the call's (detached) q, k, v and mask (:func:`probe.stats.grads.grad_logits_stats`);
-  for an eager call, which has no output or v in its record, a hook on the softmax output
-  (``call.probs``) receives ``dP = ∂L/∂P`` directly;
+  when an eager record carries the softmax output (``call.probs``), the hook sits there instead
+  and receives ``dP = ∂L/∂P`` directly (dropout after the softmax included);
 * a hook on each of q, k, v that requires grad: it receives autograd's gradient for that tensor
   and reduces it to per-head sums of squares (:func:`probe.stats.grads.head_sq`).
 
@@ -86,10 +86,10 @@ class GradHooks:
             scales = {name: value for name, value in scales.items() if value is not None}
         out, probs = call.output, call.probs
         source = None
-        if isinstance(out, Tensor) and out.requires_grad and call.v is not None:
+        if isinstance(probs, Tensor) and probs.requires_grad:
+            source = probs  # an eager softmax output: its gradient is dP itself, dropout included
+        elif isinstance(out, Tensor) and out.requires_grad and call.v is not None:
             source = out  # its gradient ∂L/∂out gives dP = ∂L/∂out · vᵀ
-        elif isinstance(probs, Tensor) and probs.requires_grad:
-            source = probs  # an eager softmax output: its gradient is dP itself
         if source is not None and scales:
             # A slim copy of the record: detached tensors, no reference to the hooked tensor
             # itself (it holds the hook; a reference back would make a cycle only GC can free).

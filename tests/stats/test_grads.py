@@ -196,8 +196,8 @@ def test_per_head_scale_softcap_and_fully_masked_rows_in_the_pure_function():
 
 
 def test_eager_softmax_output_hook_is_exact_with_dropout_and_a_bmm_layout():
-    """An eager record has no v or output: the hook on the softmax output receives dP = ∂L/∂P
-    itself, dropout mask and 1/(1-p) included, here in a (B·H, L, S) bmm layout."""
+    """With the softmax output in the record, its hook receives dP = ∂L/∂P itself, dropout mask
+    and 1/(1-p) included (which ∂L/∂out · vᵀ would miss), here in a (B·H, L, S) bmm layout."""
     from probe.capture.grads import GradHooks
 
     q, k, v = _leaves(l=5, s=6)
@@ -215,8 +215,8 @@ def test_eager_softmax_output_hook_is_exact_with_dropout_and_a_bmm_layout():
             fields[name] = value if name not in fields else fields[name] + value
 
     hooks = GradHooks(add, warn=pytest.fail)
-    call = AttentionCall(q=q, k=k, v=None, scale=0.3, mask=mask, probs=probs, kind="eager")
-    assert hooks.register(call, "site", 0, {"actual": 0.3, "unscaled": 1.0}, 2**20) == 3  # probs, q, k
+    call = AttentionCall(q=q, k=k, v=v, scale=0.3, mask=mask, output=out, probs=probs, kind="eager")
+    assert hooks.register(call, "site", 0, {"actual": 0.3, "unscaled": 1.0}, 2**20) == 4  # probs, q, k, v
     (out * w).sum().backward()
     hooks.remove()
 
@@ -227,7 +227,7 @@ def test_eager_softmax_output_hook_is_exact_with_dropout_and_a_bmm_layout():
         np.testing.assert_allclose(fields[f"grad_logits_sq@{name}"].sqrt().numpy(), ref, rtol=1e-4, err_msg=name)
     np.testing.assert_allclose(fields["grad_q_sq"].sqrt().numpy(), _head_norms(q.grad), rtol=1e-4)
     np.testing.assert_allclose(fields["grad_k_sq"].sqrt().numpy(), _head_norms(k.grad), rtol=1e-4)
-    assert "grad_v_sq" not in fields  # not in the eager record
+    np.testing.assert_allclose(fields["grad_v_sq"].sqrt().numpy(), _head_norms(v.grad), rtol=1e-4)
 
 
 def test_eager_call_with_unknown_scale_reports_actual_from_its_own_logits():
