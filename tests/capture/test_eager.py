@@ -126,6 +126,10 @@ class Eager(nn.Module):
             att = self._keep(att)
             att = att.softmax(-1)
             seen.update(valid=full, scale=self.head_scale.detach())
+        elif style == "manual_pv":
+            att = torch.matmul(q, k.transpose(-1, -2)) * s + add
+            att = self._keep(att)
+            att = att.softmax(-1)
         elif style == "unknown":  # a clamp the record cannot describe
             att = (torch.matmul(q, k.transpose(-1, -2)) * s).clamp(max=1e4) + add
             seen["logits"] = att
@@ -136,6 +140,8 @@ class Eager(nn.Module):
         self.seen = seen
         if style.startswith("einsum"):
             out = torch.einsum("bhqk,bhkd->bhqd", att, v)
+        elif style == "manual_pv":  # P never meets a product with v
+            out = (att.unsqueeze(-1) * v.unsqueeze(-3)).sum(-2)
         else:
             out = att.reshape(B, H, L, L) @ v
         return out.transpose(1, 2).reshape(B, L, H * D)
@@ -336,3 +342,16 @@ def test_capture_and_reductions_never_sync(style):
             assert call.v is not None and call.output is not None and call.output.shape == (B, H, L, D)
             fields = forward_stats(call, {"actual": call.scale, "unscaled": 1.0})
     assert fields["rows"].device.type == "meta" and fields["entropy@actual"].shape == (H,)
+
+
+def test_probabilities_never_multiplied_by_v_still_reported_without_v():
+    model = Eager("manual_pv")
+    x, pad = _batch()
+    with probe.watch(model) as p:
+        model(x, pad).square().sum().backward()
+    s = p.summary()
+    ref = _reference(model.seen)
+    for metric in METRICS:
+        np.testing.assert_allclose(s.value("root", metric), ref[metric], rtol=2e-4, atol=1e-6, err_msg=metric)
+    metrics = s.to_dict()["sites"]["root"]["metrics"]
+    assert "grad_q" in metrics and "grad_v" not in metrics and "grad_logits" not in metrics
