@@ -135,6 +135,7 @@ class FlexFrontEnd:
     """Intercepts FlexAttention's operator; measures each call when its module returns."""
 
     funcs: Tuple[Callable[..., Any], ...] = tuple(f for f in (_hop(),) if f is not None)
+    traceable = True  # handle() may run while Dynamo traces (see CaptureMode.__torch_function__)
 
     def __init__(self) -> None:
         self.pending: List[Tuple[Tuple[Any, ...], Dict[str, Any], Any]] = []

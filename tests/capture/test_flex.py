@@ -162,3 +162,15 @@ def test_unmeasurable_score_mod_warns_naming_the_site_and_leaves_output():
     with pytest.warns(UserWarning, match=r"site 'attn' was NOT measured"):
         fe.drain(seen.append, "attn")
     assert seen == []
+
+
+def test_only_sampled_steps_are_measured_and_outputs_unchanged():
+    # Unsampled steps run flex's cached compiled code; each sampled step records through the mode.
+    model = Model(score_mod=rel_bias)
+    q, k, v = (torch.randn(1, H, L, D) for _ in range(3))
+    ref = model(q, k, v)
+    with probe.watch(model, every=2) as p:
+        outs = [model(q, k, v) for _ in range(4)]
+    assert all(torch.equal(o, ref) for o in outs)
+    s = p.summary()
+    assert s.steps == 2 and s.info("attn")["calls"] == 2
