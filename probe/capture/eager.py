@@ -17,11 +17,14 @@ weak reference (an entry disappears with its tensor; the table is cleared when t
 * casts and ``contiguous`` keep the record; ``view`` / ``reshape`` between ``(B*H, L, S)`` and
   ``(B, H, L, S)`` keep it (and recover the heads of a ``bmm`` layout).
 
-A softmax over the last dim of a tensor with a score record emits an :class:`AttentionCall`
-(kind ``"eager"``). A softmax over anything else (an output layer) is not attention and emits
-nothing. When an op the record cannot describe touched the scores on the way (``- max``, a
-constant shift, a finite ``masked_fill`` value, ...) the call is emitted with ``scale=None`` and
-``logits`` set to the softmax input: probe reports it at ``actual`` only and warns once.
+A softmax over the last dim of a tensor with a score record makes an :class:`AttentionCall`
+(kind ``"eager"``); it is emitted when its probabilities meet ``P @ v`` (``matmul``, ``bmm``,
+``einsum``, through casts, dropout and views), which gives the call ``v`` and ``output`` for the
+backward metrics, or else at the next softmax / when the forward ends, without ``v``. A softmax
+over anything else (an output layer) is not attention and emits nothing. When an op the record
+cannot describe touched the scores on the way (a ``clamp``, a constant shift, a finite
+``masked_fill`` value, ...) the call is emitted at once with ``scale=None`` and ``logits`` set to
+the softmax input: probe reports it at ``actual`` only and warns once.
 
 Pitfalls: every op runs exactly as the model called it and its own result is returned, so
 outputs are bitwise unchanged; reading a tensor factor never syncs (it stays a tensor); a
@@ -141,16 +144,21 @@ class EagerFrontEnd:
         try:
             self._handlers[func](func, args, kwargs, out, emit)
         except Exception as err:  # noqa: BLE001 - bookkeeping must never break the model
-            if not self._warned:
-                self._warned = True
-                warnings.warn(f"probe: eager attention capture skipped an op ({type(err).__name__}: {err})",
-                              RuntimeWarning, stacklevel=2)
+            self._warn(err)
         return out
+
+    def _warn(self, err: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"probe: eager attention capture skipped an op ({type(err).__name__}: {err})",
+                          RuntimeWarning, stacklevel=3)
 
     def reset(self) -> None:
         """Emit what still waits for its ``P @ v``, forget every record (the capture mode exits)."""
         try:
             self._fire_pending()
+        except Exception as err:  # noqa: BLE001 - runs from the root's forward hook
+            self._warn(err)
         finally:
             self._table.clear()
             self._pending = []
@@ -308,8 +316,12 @@ class EagerFrontEnd:
                 return dataclasses.replace(node, unknown=True)
             return dataclasses.replace(node, tanh=False, softcap=f, scale=node.scale * f)
         if isinstance(f, float):
+            if node.softcap is not None and f <= 0:
+                return dataclasses.replace(node, unknown=True)
+            # f·(c·tanh(σR/c) + A) = (fc)·tanh(fσR/(fc)) + fA
             biases = tuple((t, c * f, n) for t, c, n in node.biases)
-            return dataclasses.replace(node, scale=node.scale * f, biases=biases)
+            softcap = None if node.softcap is None else node.softcap * f
+            return dataclasses.replace(node, scale=node.scale * f, biases=biases, softcap=softcap)
         if node.biases or node.softcap is not None:
             return dataclasses.replace(node, unknown=True)
         scale_t = f if node.scale_t is None else node.scale_t * f
@@ -372,7 +384,7 @@ class EagerFrontEnd:
     def _mask(self, out: Any, node: _Scores, mask: Any, invert: bool, fill: Any) -> None:
         ok = isinstance(mask, Tensor) and mask.dtype == torch.bool and not node.unknown
         fill_t = None
-        if ok and isinstance(fill, Tensor) and fill.numel() == 1:
+        if ok and isinstance(fill, Tensor) and fill.is_floating_point():
             fill_t = fill.detach()  # compared with MASK_FILL on device at emit time, no sync
         elif not (ok and _number(fill) and fill <= MASK_FILL):
             ok = False
