@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from probe.errors import ProbeError
-from probe.intervene import ScaleSpec, SitesFilter, _parse_spec, scaling
+from probe.intervene import ScaleSpec, SitesFilter, _parse_spec, modules_by_site, scaling
 from probe.profiler import watch
 from probe.summary import Summary
 
@@ -128,16 +128,6 @@ class Comparison:
         return f"Comparison(scales={self.scales}, sites={len(self.sites)})"
 
 
-def _module_of(model: nn.Module, site: str) -> Optional[nn.Module]:
-    name = site.split("#")[0]
-    if name == "root":
-        return model
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None  # a wrapper-stripped name (DDP, torch.compile) that is no attribute path
-
-
 def _grad_norm(module: Optional[nn.Module]) -> float:
     if module is None:
         return math.nan
@@ -176,6 +166,7 @@ def compare(
     if not callable(loss_fn):
         raise ProbeError(f"expected `loss_fn` to be a callable (model, batch) -> loss, got {type(loss_fn).__name__}")
     specs = _specs(scales)
+    by_site = modules_by_site(model)
     params = list(model.parameters())
     saved_grads = [p.grad for p in params]
     saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -202,7 +193,8 @@ def compare(
                     loss.backward()
                 summaries[label] = p_.summary()
                 losses[label] = float(loss.detach())
-                param_grad[label] = {site: _grad_norm(_module_of(model, site)) for site in summaries[label].sites}
+                param_grad[label] = {site: _grad_norm(by_site.get(site.split("#")[0]))
+                                     for site in summaries[label].sites}
                 for buffer, value in saved_buffers:
                     buffer.copy_(value)
     finally:

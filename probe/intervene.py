@@ -41,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from probe.call import Scale
+from probe.capture.mode import site_names
 from probe.errors import ProbeError
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "ScaleSpec",
     "SiteStack",
     "active",
+    "modules_by_site",
     "push_module_override",
     "reset_module_override",
     "scaling",
@@ -98,6 +100,16 @@ def reset_module_override(token: contextvars.Token) -> None:
     _MODULES.reset(token)
 
 
+def modules_by_site(root: nn.Module) -> Dict[str, nn.Module]:
+    """Site name → module, with probe's naming (``root`` is ``root`` itself; the outermost module
+    wins when a wrapper and the module it wraps share a name)."""
+    out: Dict[str, nn.Module] = {"root": root}
+    by_id = {id(m): m for m in root.modules()}
+    for module_id, name in site_names(root).items():
+        out.setdefault(name, by_id[module_id])
+    return out
+
+
 def active() -> bool:
     """Whether any intervention (a scaling context or a running variant module) is registered."""
     return bool(_SCALINGS.get()) or bool(_MODULES.get())
@@ -121,7 +133,7 @@ class SiteStack:
         self.root_running = 0
 
     def activate(self) -> None:
-        self._names = {id(m): name for name, m in self._root.named_modules() if name}
+        self._names = site_names(self._root)  # probe's own naming (wrapper prefixes stripped)
         self._stack, self.root_running = [], 0
         self._handles = [
             nn.modules.module.register_module_forward_pre_hook(self._push),

@@ -48,6 +48,7 @@ from probe.intervene import (
     ModuleOverride,
     SiteStack,
     _predicate,
+    modules_by_site,
     push_module_override,
     reset_module_override,
 )
@@ -211,7 +212,8 @@ def _install(kind: str, model: nn.Module, example: Example, sites: SitesFilter,
         raise ProbeError(f"expected `sites` to match an SDPA attention site of the model, got {sites!r} "
                          f"(sites seen on `example`: {seen})")
     variant = Variant(kind)
-    modules = {name: (model if name == "root" else model.get_submodule(name)) for name in chosen}
+    by_site = modules_by_site(model)
+    modules = {name: by_site[name] for name in chosen}
     for name, module in modules.items():
         for pname in (SCALE_PARAM, BIAS_PARAM):
             if hasattr(module, pname):

@@ -218,3 +218,14 @@ def test_wrong_tensor_length_named_during_forward_and_cleanup():
         probe.scaling("model", 1.0)
     with pytest.raises(probe.ProbeError, match="`sites=`, got both"):
         probe.scaling(model, {"a": 1.0}, sites="a")
+
+
+def test_no_host_sync_on_meta_tensors():
+    """The override path reads no tensor value (a .item() or bool(t) would fail on meta)."""
+    model = Bare(causal=True, gqa=True)
+    q = torch.empty(2, 4, 5, 8, device="meta")
+    k = v = torch.empty(2, 2, 5, 8, device="meta")
+    with probe.scaling(model, torch.tensor([1.0, 0.5, 0.25, 0.125])):
+        assert model(q, k, v).device.type == "meta"
+    with probe.scaling(model, "standard", sites="root"):
+        assert model(q, k, v).shape == (2, 4, 5, 8)

@@ -240,3 +240,16 @@ def test_bad_input_raises_probe_error():
     assert not probe.intervene.active()  # nothing left registered after the error
     handle.remove()
     assert _hooks(model) == 0
+
+
+def test_no_host_sync_on_meta_tensors():
+    """Installed and run on meta tensors: the variant's forward reads no tensor value."""
+    model = Bare(causal=True, gqa=True)
+    q = torch.empty(2, 4, 5, 8, device="meta", requires_grad=True)
+    k = v = torch.empty(2, 2, 5, 8, device="meta")
+    handle = variants.scale_bias(model, (q, k, v), max_len=5)
+    assert model.probe_bias.device.type == "meta"
+    out = model(q, k, v)
+    out.sum().backward()
+    assert out.device.type == "meta" and model.probe_scale.grad.shape == (4,)
+    handle.remove()
