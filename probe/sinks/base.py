@@ -16,7 +16,12 @@ __all__ = ["BaseSink", "Sink", "SinkGuard", "Worker", "head_scalars", "scalar_ta
 @runtime_checkable
 class Sink(Protocol):
     """Receives the metrics of each flush. Like ``SummaryWriter``: lazy, flushable, safe to
-    close twice. A sink is a few lines::
+    close twice.
+
+    ``write(step, summary)`` runs on probe's background thread, once per flush, in step order;
+    ``summary`` holds the flush window only (``summary.steps`` probed steps, the last being
+    ``step``), not the running total. An exception from any method is caught and warned about once
+    (:class:`SinkGuard`); it never reaches the training loop. A sink is a few lines::
 
         class PrintSink:
             def write(self, step, summary):
