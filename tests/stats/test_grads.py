@@ -249,6 +249,20 @@ def test_eager_call_with_unknown_scale_reports_actual_from_its_own_logits():
     np.testing.assert_allclose(fields["grad_logits_sq@actual"].sqrt().numpy(), ref, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_model_is_reduced_in_float32(dtype):
+    """The model runs in half precision; probe upcasts q, k, v, dO and reduces in float32. The
+    reference sees the same half-precision values (and autograd's half-precision .grad)."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in _leaves(h=4, hk=2, l=6))
+    w = torch.randn(2, 4, 6, 16).to(dtype)
+    s = _run_backward(q, k, v, w, is_causal=True, enable_gqa=True)
+    site, valid = s.sites[0], _valid(2, 4, 6, 6, causal=True)
+    np.testing.assert_allclose(s.value(site, "grad_q"), _head_norms(q.grad), rtol=1e-3)
+    np.testing.assert_allclose(s.value(site, "grad_k"), _head_norms(k.grad), rtol=1e-3)
+    ref = jacobian_logit_grad_norms(q, k, v, 1.0, valid, None, w.float())
+    np.testing.assert_allclose(s.value(site, "grad_logits", "unscaled"), ref, rtol=1e-3)
+
+
 def test_chunking_gives_the_same_result_as_one_chunk():
     q, k, v = (t.detach() for t in _leaves(l=33, s=20))
     dout = torch.randn(2, 4, 33, 16)
