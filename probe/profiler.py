@@ -102,6 +102,11 @@ class Probe:
         memory_budget: bytes of extra memory the statistics of one call may use (query rows are
             processed in chunks that fit).
         sinks: extra sinks receiving each flush (see :class:`probe.sinks.base.Sink`).
+        rows: query-row sampling for long sequences: forward metrics of a call with more than
+            ``rows`` query rows use ``rows`` positions drawn uniformly (seeded, reproducible).
+            ``entropy``, ``max_prob``, ``saturation`` and ``nonfinite`` stay unbiased (standard
+            error in ``docs/performance.md``); ``logit_max`` becomes a lower bound and
+            ``logit_var`` the variance of the sampled rows; info gets ``"rows"``. ``None``: all rows.
         group: under ``torch.distributed``, the process group whose ranks' statistics are reduced
             at each flush (default: the default group when initialized with several ranks;
             ``False``: per-rank statistics). Only rank 0 of the group writes (TensorBoard, sinks,
@@ -124,6 +129,7 @@ class Probe:
         memory_budget: int = 64 * 2**20,
         sinks: Sequence[Sink] = (),
         group: Any = None,
+        rows: Optional[int] = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"expected `model` to be a torch.nn.Module, got {type(model).__name__}")
@@ -131,6 +137,8 @@ class Probe:
         self.every = _check_int("every", every, 1)
         self.flush_every = _check_int("flush_every", flush_every, 1)
         self.memory_budget = _check_int("memory_budget", memory_budget, 1)
+        self.rows = None if rows is None else _check_int("rows", rows, 1)
+        self._row_generator = torch.Generator().manual_seed(0)  # row sampling, reproducible
         if isinstance(saturation, bool) or not isinstance(saturation, (int, float)) or not 0 < saturation <= 1:
             raise ProbeError(f"expected `saturation` to be a float in (0, 1], got {saturation!r}")
         self.saturation = float(saturation)
@@ -317,7 +325,8 @@ class Probe:
             if call.logits is not None:  # an eager softmax whose scale is unknown: `actual` only
                 fields = self._unknown_scale_stats(call)
             else:
-                fields = forward_stats(call, scales, self.saturation, self.memory_budget)
+                fields = forward_stats(call, scales, self.saturation, self.memory_budget,
+                                       rows=self.rows, generator=self._row_generator)
         if not fields:
             return
         if isinstance(call.scale, Tensor):
@@ -334,6 +343,8 @@ class Probe:
             }
             if call.softcap is not None:
                 info["softcap"] = call.softcap
+        if self.rows is not None and call.q.shape[2] > self.rows:
+            info["rows"] = f"{self.rows} of {call.q.shape[2]} query rows sampled: logit_max is a lower bound"
         if not isinstance(call.scale, Tensor):
             info["scale"] = None if call.scale is None else float(call.scale)
         info["calls"] += 1

@@ -1,0 +1,159 @@
+"""Query-row sampling (``rows=N``): unbiased mean metrics, documented standard error.
+
+The exact values come from a plain float64 computation over every row, written here; the
+sampled estimates from :func:`probe.stats.functional.forward_stats`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import probe
+from probe.call import AttentionCall
+from probe.stats.functional import forward_stats
+
+MEANS = {"entropy": "entropy@actual", "max_prob": "max_prob@actual", "saturation": "saturated@actual"}
+
+
+def _per_row(q, k, scale, causal, key_mask=None, tau=0.9):
+    """Per (batch, head, row): valid-row flag and the row's entropy / max prob / saturation, float64."""
+    q64, k64 = q.double(), k.double()
+    z = scale * q64 @ k64.transpose(-1, -2)
+    b, h, l, s = z.shape
+    valid = torch.ones(b, h, l, s, dtype=torch.bool)
+    if causal:
+        valid &= torch.ones(l, s, dtype=torch.bool).tril()
+    if key_mask is not None:
+        valid &= key_mask
+    z = torch.where(valid, z, -math.inf)
+    p = torch.softmax(z, -1)
+    n = valid.sum(-1)
+    ok = n >= 2
+    ent = -(torch.where(p > 0, p * torch.log(p), 0.0)).sum(-1) / torch.log(n.clamp(min=2).double())
+    pmax = p.amax(-1)
+    vals = {"entropy": ent, "max_prob": pmax, "saturation": (pmax >= tau).double()}
+    return ok, {m: torch.where(ok, v, 0.0) for m, v in vals.items()}
+
+
+def _estimate(fields, metric):
+    return (fields[MEANS[metric]] / fields["rows"]).numpy()
+
+
+def _inputs(l, b=2, h=3, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, l, d, generator=g) * 1.5, torch.randn(b, h, l, d, generator=g)
+
+
+@pytest.mark.parametrize("causal,padded", [(False, False), (True, False), (True, True)])
+def test_average_over_every_subset_is_the_exact_value(causal, padded):
+    """Unbiasedness, exactly: averaged over all C(L, N) equally likely row sets, each
+    Horvitz-Thompson estimate of the row sums divided by the exact valid-row count gives the
+    exact mean."""
+    l, n = 6, 2
+    q, k = _inputs(l)
+    key_mask = None
+    if padded:
+        key_mask = torch.ones(2, 1, 1, l, dtype=torch.bool)
+        key_mask[1, ..., 4:] = False
+    call = AttentionCall(q=q, k=k, v=None, scale=0.5, causal=causal, mask=key_mask)
+    ok, vals = _per_row(q, k, 0.5, causal, key_mask)
+    exact = {m: (v.sum((0, 2)) / ok.sum((0, 2))).numpy() for m, v in vals.items()}
+    subsets = list(itertools.combinations(range(l), n))
+    totals = {m: np.zeros(3) for m in MEANS}
+    for subset in subsets:
+        fields = forward_stats(call, {"actual": 0.5}, saturation=0.9, rows=torch.tensor(subset))
+        np.testing.assert_array_equal(fields["rows"].numpy(), ok.sum((0, 2)).numpy())  # exact count
+        for m in MEANS:
+            totals[m] += _estimate(fields, m)
+    for m in MEANS:
+        np.testing.assert_allclose(totals[m] / len(subsets), exact[m], rtol=1e-5, atol=1e-6, err_msg=m)
+
+
+def _standard_error(y, n_rows, sampled):
+    """SE of the mean estimate: L·sqrt((1 − N/L)/N)·S_y / n_rows, y the per-position totals."""
+    length = y.shape[-1]
+    s_y = y.std(-1, unbiased=True)
+    return (length * math.sqrt((1 - sampled / length) / sampled) * s_y / n_rows).numpy()
+
+
+def test_seeded_estimate_is_within_a_few_standard_errors():
+    l, n = 256, 32
+    q, k = _inputs(l, seed=1)
+    call = AttentionCall(q=q, k=k, v=None, scale=0.4, causal=True)
+    ok, vals = _per_row(q, k, 0.4, True)
+    n_rows = ok.sum((0, 2)).double()
+    fields = forward_stats(call, {"actual": 0.4}, saturation=0.9, rows=n, generator=torch.Generator().manual_seed(3))
+    for m in MEANS:
+        exact = (vals[m].sum((0, 2)) / n_rows).numpy()
+        se = _standard_error(vals[m].sum(0), n_rows, n)  # y: per (head, position), summed over batch
+        assert (se > 0).all()
+        err = np.abs(_estimate(fields, m) - exact)
+        assert (err <= 4 * se).all(), (m, err, se)
+
+
+def test_mean_over_many_seeds_matches_the_exact_value():
+    l, n, draws = 48, 6, 300
+    q, k = _inputs(l, seed=2)
+    call = AttentionCall(q=q, k=k, v=None, scale=0.4)
+    ok, vals = _per_row(q, k, 0.4, False)
+    n_rows = ok.sum((0, 2)).double()
+    gen = torch.Generator().manual_seed(0)
+    estimates = {m: [] for m in MEANS}
+    for _ in range(draws):
+        fields = forward_stats(call, {"actual": 0.4}, saturation=0.9, rows=n, generator=gen)
+        for m in MEANS:
+            estimates[m].append(_estimate(fields, m))
+    for m in MEANS:
+        exact = (vals[m].sum((0, 2)) / n_rows).numpy()
+        se_mean = _standard_error(vals[m].sum(0), n_rows, n) / math.sqrt(draws)
+        mean = np.mean(estimates[m], axis=0)
+        assert (np.abs(mean - exact) <= 4 * se_mean + 1e-12).all(), (m, mean, exact, se_mean)
+
+
+def test_logit_max_is_a_lower_bound_and_rows_at_least_length_is_exact():
+    q, k = _inputs(40, seed=4)
+    call = AttentionCall(q=q, k=k, v=None, scale=0.3, causal=True)
+    full = forward_stats(call, {"actual": 0.3})
+    sampled = forward_stats(call, {"actual": 0.3}, rows=5, generator=torch.Generator().manual_seed(1))
+    assert (sampled["logit_max@actual"] <= full["logit_max@actual"]).all()
+    same = forward_stats(call, {"actual": 0.3}, rows=40)
+    for field in full:
+        torch.testing.assert_close(same[field], full[field])
+
+
+class _Attend(nn.Module):
+    def __init__(self, q, k, v):
+        super().__init__()
+        self.qkv = (q, k, v)
+
+    def forward(self):
+        return F.scaled_dot_product_attention(*self.qkv, is_causal=True)
+
+
+def test_probe_rows_option_estimates_and_says_so_in_info():
+    q, k = _inputs(128, seed=5)
+    v = torch.randn_like(k)
+    module = _Attend(q, k, v)
+    with probe.watch(module, rows=32, grads=False) as p:
+        for _ in range(4):
+            module()
+    s = p.summary()
+    site = s.sites[0]
+    assert "32 of 128" in s.info(site)["rows"] and "lower bound" in s.info(site)["rows"]
+    ok, vals = _per_row(q, k, q.shape[-1] ** -0.5, True, tau=0.99)
+    exact = (vals["entropy"].sum((0, 2)) / ok.sum((0, 2))).numpy()
+    se = _standard_error(vals["entropy"].sum(0), ok.sum((0, 2)).double(), 32) / 2  # 4 draws
+    assert (np.abs(s.value(site, "entropy") - exact) <= 4 * se).all()
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "10", True])
+def test_bad_rows_argument(bad):
+    with pytest.raises(probe.ProbeError, match="`rows`"):
+        probe.watch(nn.Linear(2, 2), rows=bad)
