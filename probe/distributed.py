@@ -41,7 +41,7 @@ from torch import Tensor
 from probe.errors import ProbeError
 from probe.stats.accumulator import Layout, State, reduction
 
-__all__ = ["Reducer", "resolve_group"]
+__all__ = ["Reducer", "combine_ranks", "pool_moments", "resolve_group"]
 
 Entry = Tuple[Hashable, str, Tuple[int, ...]]
 
@@ -82,12 +82,6 @@ def resolve_group(group: Any) -> Optional["Reducer"]:
     return Reducer(group)
 
 
-def _identity(field: str, shape: Tuple[int, ...]) -> Tensor:
-    if reduction(field) == "max":
-        return torch.full(shape, -math.inf, dtype=torch.float64)
-    return torch.zeros(shape, dtype=torch.float64)
-
-
 def _numel(shape: Tuple[int, ...]) -> int:
     return math.prod(shape) if shape else 1
 
@@ -118,6 +112,7 @@ class Reducer:
         self.keys: List[Hashable] = []
         self._key_index: Dict[Hashable, int] = {}
         self.infos: Dict[Hashable, Dict[str, Any]] = {}
+        self._plan_cache: Optional[_Plan] = None
         self.collectives = 0  # collectives issued so far (for tests and the cost table in the docs)
         self._warned_steps = False
 
@@ -126,9 +121,10 @@ class Reducer:
         return _initialized()
 
     # -- layout ----------------------------------------------------------------------------------
-    def _unknown(self, states: Dict[Hashable, State]) -> List[Tuple[Entry, Dict[str, Any]]]:
+    def _unknown(self, states: Dict[Hashable, State]) -> List[Entry]:
+        """This rank's (site, field, shape) entries that the global layout lacks."""
         return [
-            ((key, field, tuple(value.shape)), {})
+            (key, field, tuple(value.shape))
             for key, state in states.items()
             for field, value in state.items()
             if (key, field) not in self._index
@@ -137,20 +133,19 @@ class Reducer:
     def _agree(self, states: Dict[Hashable, State], infos: Dict[Hashable, Dict[str, Any]]) -> None:
         """Exchange the entries some rank lacks (one ``all_gather_object``) and extend the layout
         in rank order, so that every rank builds the same layout."""
-        mine = [
-            # Info travels with the layout (it is static per site); "calls" is summed every flush.
-            (entry, {k: v for k, v in infos.get(entry[0], {}).items() if k != "calls"})
-            for entry, _ in self._unknown(states)
-        ]
+        entries = self._unknown(states)
+        # Info travels with the layout, once per site (it is static); "calls" is summed every flush.
+        site_infos = {key: {k: v for k, v in infos.get(key, {}).items() if k != "calls"} for key, _, _ in entries}
         gathered: List[Any] = [None] * self.world
-        torch.distributed.all_gather_object(gathered, mine, group=self.group)
+        torch.distributed.all_gather_object(gathered, (entries, site_infos), group=self.group)
         self.collectives += 1
-        for rank_entries in gathered:
-            for (key, field, shape), info in rank_entries:
+        for rank_entries, rank_infos in gathered:
+            for key, info in rank_infos.items():
+                self.infos.setdefault(key, {}).update(info)
+            for key, field, shape in rank_entries:
                 if key not in self._key_index:
                     self._key_index[key] = len(self.keys)
                     self.keys.append(key)
-                self.infos.setdefault(key, {}).update(info)
                 if (key, field) in self._index:
                     if self.entries[self._index[key, field]][2] != shape:
                         raise ProbeError(
@@ -168,17 +163,23 @@ class Reducer:
     # -- pack / gather ---------------------------------------------------------------------------
     def _pack(self, states: Dict[Hashable, State], infos: Dict[Hashable, Dict[str, Any]], step: int) -> Tensor:
         """values (global layout, identity-filled) | presence per entry | calls per site | step, unknown."""
-        # Pack where the state lives (the model's device) and move once: one transfer, not one per field.
+        # Pack where the state lives (the model's device) and move once: one transfer, not one per
+        # field. Entries this rank lacks are slices of a cached identity tensor: no allocation.
         device = next((v.device for state in states.values() for v in state.values()), self.device)
+        plan = self._plan()
+        identity = plan.identity_on(device)
         parts: List[Tensor] = []
         present = [0.0] * len(self.entries)
+        offset = 0
         for i, (key, field, shape) in enumerate(self.entries):
+            size = _numel(shape)
             value = states.get(key, {}).get(field)
             if value is None:
-                parts.append(_identity(field, shape).reshape(-1).to(device))
+                parts.append(identity[offset : offset + size])
             else:
                 parts.append(value.detach().reshape(-1).to(torch.float64))
                 present[i] = 1.0
+            offset += size
         calls = [float(infos.get(key, {}).get("calls", 0)) for key in self.keys]
         tail = present + calls + [float(step), float(len(self._unknown(states)))]
         parts.append(torch.tensor(tail, dtype=torch.float64).to(device))
@@ -226,29 +227,88 @@ class Reducer:
         return self._combine(host)
 
     # -- combine (host, float64) -------------------------------------------------------------
+    def _plan(self) -> "_Plan":
+        if self._plan_cache is None or self._plan_cache.entries != len(self.entries):
+            self._plan_cache = _Plan(self.entries)
+        return self._plan_cache
+
     def _combine(self, host: Tensor) -> Tuple[Tensor, Layout, Dict[Hashable, Dict[str, Any]]]:
-        sizes = [_numel(shape) for _, _, shape in self.entries]
-        total = sum(sizes)
-        presence = host[:, total : total + len(self.entries)] > 0
-        calls = host[:, total + len(self.entries) : total + len(self.entries) + len(self.keys)].sum(0)
-        parts: List[Tensor] = []
-        layout: Layout = []
-        offset = 0
-        for i, ((key, field, shape), size) in enumerate(zip(self.entries, sizes)):
-            values = host[:, offset : offset + size].reshape(self.world, *shape)
-            offset += size
-            here = presence[:, i]
-            if not bool(here.any()):
-                continue
-            parts.append(combine_ranks(field, values, here).reshape(-1))
-            layout.append((key, field, shape))
+        """Vectorized over the layout: one reduction per kind, not one per field (a model has
+        hundreds of fields; per-field tensor ops would dominate the flush)."""
+        plan = self._plan()
+        total, entries = plan.total, len(self.entries)
+        presence = host[:, total : total + entries] > 0
+        calls = host[:, total + entries : total + entries + len(self.keys)].sum(0)
+        values = host[:, :total]
+        out = torch.empty(total, dtype=torch.float64)
+        out[plan.sum_pos] = values[:, plan.sum_pos].sum(0)
+        out[plan.max_pos] = values[:, plan.max_pos].amax(0)
+        if plan.last_pos.numel():
+            here = presence[:, plan.entry_of_pos[plan.last_pos]]
+            ranks = torch.arange(self.world).unsqueeze(1).expand_as(here)
+            last = torch.where(here, ranks, 0).amax(0)  # highest present rank (absent: unused)
+            out[plan.last_pos] = values[:, plan.last_pos].gather(0, last.unsqueeze(0)).squeeze(0)
+        n, mean, m2 = (values[:, pos] for pos in plan.moment_pos)
+        out[plan.moment_pos[0]], out[plan.moment_pos[1]], out[plan.moment_pos[2]] = pool_moments(n, mean, m2)
+        kept = presence.any(0)
+        flat = out[kept[plan.entry_of_pos]]
+        layout: Layout = [entry for entry, keep in zip(self.entries, kept.tolist()) if keep]
         keys = {key for key, _, _ in layout}
-        infos = {}
-        for key in self.keys:
-            if key in keys:
-                infos[key] = dict(self.infos.get(key, {}), calls=int(calls[self._key_index[key]]))
-        flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        infos = {
+            key: dict(self.infos.get(key, {}), calls=int(calls[self._key_index[key]]))
+            for key in self.keys
+            if key in keys
+        }
         return flat, layout, infos
+
+
+class _Plan:
+    """Index tensors of one global layout: where each kind of field sits in the packed tensor."""
+
+    def __init__(self, layout: List[Entry]) -> None:
+        self.entries = len(layout)
+        owner: List[int] = []
+        kinds: Dict[str, List[int]] = {"sum": [], "max": [], "last": []}
+        moments: List[List[int]] = [[], [], []]
+        offset = 0
+        for i, (_, field, shape) in enumerate(layout):
+            size = _numel(shape)
+            owner += [i] * size
+            kind = reduction(field)
+            if kind == "moments":
+                per = size // 3  # (3, heads): rows n, mean, M2
+                for row in range(3):
+                    moments[row] += range(offset + row * per, offset + (row + 1) * per)
+            else:
+                kinds[kind] += range(offset, offset + size)
+            offset += size
+        self.total = offset
+        self.entry_of_pos = torch.tensor(owner, dtype=torch.long)
+        self.sum_pos, self.max_pos, self.last_pos = (torch.tensor(kinds[k], dtype=torch.long) for k in ("sum", "max", "last"))
+        self.moment_pos = tuple(torch.tensor(rows, dtype=torch.long) for rows in moments)
+        self._identity: Dict[torch.device, Tensor] = {}
+        identity = torch.zeros(self.total, dtype=torch.float64)
+        identity[self.max_pos] = -math.inf
+        self.identity = identity
+
+    def identity_on(self, device: torch.device) -> Tensor:
+        """The packed identity (0 for sums and moments, -inf for maxima) on ``device``, cached."""
+        if device not in self._identity:
+            self._identity[device] = self.identity.to(device)
+        return self._identity[device]
+
+
+def pool_moments(n: Tensor, mean: Tensor, m2: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """Pool (count, mean, M2) over dim 0 exactly: the k-way form of Chan's formula.
+
+    ``n = Σ nᵢ``, ``mean = Σ nᵢ·meanᵢ / n``, ``M2 = Σ M2ᵢ + Σ nᵢ·(meanᵢ - mean)²``. Every added
+    term is non-negative, so there is no cancellation (unlike ``Σx² - n·mean²``); parts with
+    ``nᵢ = 0`` contribute nothing, whatever their mean.
+    """
+    total = n.sum(0)
+    pooled = torch.where(n > 0, n * mean, 0.0).sum(0) / total.clamp(min=1)
+    spread = torch.where(n > 0, n * (mean - pooled).square(), 0.0).sum(0)
+    return total, pooled, torch.where(n > 0, m2, 0.0).sum(0) + spread
 
 
 def combine_ranks(field: str, values: Tensor, present: Tensor) -> Tensor:
@@ -265,9 +325,5 @@ def combine_ranks(field: str, values: Tensor, present: Tensor) -> Tensor:
         return values.amax(0)
     if kind == "last":
         return values[-1]
-    n, mean, m2 = values[:, 0], values[:, 1], values[:, 2]
-    total = n.sum(0)
-    pooled = (n * mean).sum(0) / total.clamp(min=1)
-    spread = torch.where(n > 0, n * (mean - pooled).square(), 0.0).sum(0)
-    return torch.stack([total, pooled, m2.sum(0) + spread])
+    return torch.stack(pool_moments(values[:, 0], values[:, 1], values[:, 2]))
 
