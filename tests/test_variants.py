@@ -253,3 +253,30 @@ def test_no_host_sync_on_meta_tensors():
     out.sum().backward()
     assert out.device.type == "meta" and model.probe_scale.grad.shape == (4,)
     handle.remove()
+
+
+def test_variant_under_gradient_checkpointing_and_a_probe_gives_the_same_gradients():
+    model = tiny_llama().train()
+    ids = torch.randint(0, 64, (2, 7))
+    handle = variants.scale_bias(model, ids, max_len=16)
+    with torch.no_grad():
+        for p in handle.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = grads()
+    model.config.use_cache = False
+    model.activation_checkpointing_enable()  # the attention forward re-runs inside backward
+    with probe.watch(model) as p:
+        checkpointed = grads()
+    assert all(torch.equal(plain[n], checkpointed[n]) for n in plain)
+    assert bool(plain["model.layers.0.self_attn.probe_bias"].abs().sum() > 0)
+    s = p.summary()
+    np.testing.assert_allclose(s.info("model.layers.0.self_attn")["scale"],
+                               handle.scales()["model.layers.0.self_attn"].numpy(), rtol=1e-6)
+    assert "grad_q" in s.metrics("model.layers.0.self_attn")
+    handle.remove()
