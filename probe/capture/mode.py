@@ -60,6 +60,8 @@ class ModuleStack:
     def _push(self, module: nn.Module, args: Any) -> None:
         name = self._names.get(id(module))
         if name is not None and module is not self._root:  # the root is the stack's bottom
+            if self._stack:
+                self._drain()  # calls recorded so far belong to the running module, not this child
             self._stack.append([id(module), name, 0])
             if self._suspended is None:
                 self._maybe_run_fused(module, name, args)
@@ -75,8 +77,9 @@ class ModuleStack:
 
     def _drain(self) -> None:
         """Let front ends measure calls they could only record (FlexAttention, whose operator
-        runs inside a compiled region): attributed to the module returning now, measured with
-        the capture mode off the function-mode stack so the statistics' ops are not captured."""
+        runs inside a compiled region): at every module boundary, attributed to the module on top
+        of the stack (the one that issued them), measured with the capture mode off the
+        function-mode stack so the statistics' ops are not captured."""
         n = torch._C._len_torch_function_stack()
         mode = torch._C._get_function_stack_at(n - 1) if n else None
         if not isinstance(mode, CaptureMode) or not mode.pending():

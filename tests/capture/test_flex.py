@@ -174,3 +174,28 @@ def test_only_sampled_steps_are_measured_and_outputs_unchanged():
     assert all(torch.equal(o, ref) for o in outs)
     s = p.summary()
     assert s.steps == 2 and s.info("attn")["calls"] == 2
+
+
+def test_hugging_face_flex_implementation_matches_eager_per_head():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    flex_model = LlamaForCausalLM(LlamaConfig(**kw, attn_implementation="flex_attention")).eval()
+    eager_model = LlamaForCausalLM(LlamaConfig(**kw, attn_implementation="eager")).eval()
+    eager_model.load_state_dict(flex_model.state_dict())
+    ids = torch.randint(0, 64, (2, 9))
+    summaries = []
+    for model in (flex_model, eager_model):
+        with torch.no_grad(), probe.watch(model) as p:
+            model(input_ids=ids)
+        summaries.append(p.summary())
+    flex_s, eager_s = summaries
+    assert flex_s.sites == eager_s.sites == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    for site in flex_s.sites:
+        assert flex_s.info(site)["kind"] == "flex"
+        for metric in METRICS:
+            for scale in ("actual", "unscaled", "standard"):
+                np.testing.assert_allclose(flex_s.value(site, metric, scale), eager_s.value(site, metric, scale),
+                                           rtol=1e-4, atol=1e-5, err_msg=f"{site} {metric}@{scale}")
