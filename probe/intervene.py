@@ -382,7 +382,7 @@ def _fold_masks(mask: Any, bias: Tensor, causal: bool, q: Tensor, k: Tensor) -> 
     if mask is None:
         return bias
     if mask.dtype == torch.bool:
-        return torch.where(mask, bias, torch.tensor(float("-inf"), dtype=bias.dtype, device=bias.device))
+        return torch.where(mask, bias, float("-inf"))  # a Python scalar: no host-to-device copy
     return mask + bias
 
 
