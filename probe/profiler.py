@@ -222,6 +222,10 @@ class Probe:
         self._started = True
         self._auto_step = False
         self._maybe_flush()
+        if self._dist is not None and self._sampled() and (not self._window or self._window[-1] != n):
+            # Under torch.distributed, explicit steps alone decide the flushes: a rank that runs no
+            # forward in a sampled step still takes part in that step's flush.
+            self._window.append(n)
         self._eager.arm(self._sampled())
 
     def _sampled(self) -> bool:

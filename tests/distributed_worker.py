@@ -122,6 +122,24 @@ def run_fsdp(rank: int, world: int) -> Dict[str, Any]:
     return {"summary": p.summary().to_dict()}
 
 
+def manual_plan(rank: int) -> List[Dict[str, Any]]:
+    """Explicit steps: two micro-batches on step 0, none at all on rank 1 in step 1 (its loader ran
+    dry), one on step 2."""
+    forwards = [2, 1 if rank == 0 else 0, 1]
+    return [{"seeds": [200 + 10 * step + 2 * i + rank for i in range(n)]} for step, n in enumerate(forwards)]
+
+
+def run_manual(rank: int) -> Dict[str, Any]:
+    model = parity_model()
+    p = probe.watch(model)
+    for step, plan in enumerate(manual_plan(rank)):
+        p.step(step)
+        for seed in plan["seeds"]:
+            model(full_batch(seed, batch=1)).square().sum().backward()
+    p.close()
+    return {"summary": p.summary().to_dict(), "collectives": p._dist.collectives}
+
+
 def run_sampling(rank: int) -> Dict[str, Any]:
     model = parity_model()
     p = probe.watch(model, every=3)
@@ -156,6 +174,7 @@ def main() -> None:
             "sampling": run_sampling(rank),
             "uneven": run_uneven(rank),
             "fsdp": run_fsdp(rank, world),
+            "manual": run_manual(rank),
         }
     finally:
         dist.destroy_process_group()

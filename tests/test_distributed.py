@@ -153,6 +153,22 @@ def test_uneven_lengths_and_rank_only_sites_match_one_process(ranks):
     assert got.info("extra#1")["calls"] == 1 and got.info("body.layers.0")["calls"] == 5
 
 
+def test_explicit_steps_with_a_rank_that_runs_no_forward(ranks):
+    model = worker.parity_model()
+    p = probe.watch(model)
+    plans = [worker.manual_plan(r) for r in range(WORLD)]
+    for step in range(len(plans[0])):
+        p.step(step)
+        for plan in plans:
+            for seed in plan[step]["seeds"]:
+                model(worker.full_batch(seed, batch=1)).square().sum().backward()
+    p.close()
+    got = probe.Summary.from_dict(ranks["results"][0]["manual"]["summary"])
+    _assert_same(got, p.summary())
+    assert got.steps == 3
+    assert ranks["results"][0]["manual"]["collectives"] == ranks["results"][1]["manual"]["collectives"]
+
+
 # -- pieces, in one process --------------------------------------------------------------------
 def test_combine_ranks_matches_float64_reference():
     rng = np.random.default_rng(0)
