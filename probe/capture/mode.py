@@ -167,6 +167,7 @@ class CaptureMode(TorchFunctionMode):
         self._frontends = list(frontends)
         self._emit = emit
         self._traceable = [(f, fe) for fe in frontends if getattr(fe, "traceable", False) for f in fe.funcs]
+        self._recording = [fe for fe in frontends if hasattr(fe, "pending") and hasattr(fe, "drain")]
 
     def __exit__(self, *exc: Any) -> None:
         # Front ends that track tensors during the forward (eager) forget them here.
@@ -194,12 +195,12 @@ class CaptureMode(TorchFunctionMode):
 
     def pending(self) -> bool:
         """Whether a front end holds calls recorded but not yet measured (``pending`` list)."""
-        return any(getattr(f, "pending", None) for f in dict.fromkeys(self._routes.values()))
+        return any(f.pending for f in self._recording)
 
     def drain(self, site: str) -> None:
         """Have front ends with ``drain(emit, site)`` measure their recorded calls now."""
-        for frontend in dict.fromkeys(self._routes.values()):
-            if getattr(frontend, "pending", None):
+        for frontend in self._recording:
+            if frontend.pending:
                 frontend.drain(self._emit, site)
 
     def consults_overrides(self, func: Callable[..., Any]) -> bool:

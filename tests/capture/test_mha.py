@@ -484,3 +484,23 @@ def test_grad_metrics_match_float64_autograd_reference(need_weights):
         ref = grad.square().sum((0, 2, 3)).sqrt().numpy()
         np.testing.assert_allclose(s_.value("attn", metric), ref, rtol=1e-3, atol=1e-9, err_msg=metric)
     _assert_clean(model)
+
+
+def test_capture_and_reductions_run_on_meta_tensors():
+    """No host sync: the MHA mirror and the statistics of its call run on shape-only tensors."""
+    from probe.capture.mha import MHAFrontEnd
+    from probe.capture.mode import CaptureMode
+    from probe.stats.functional import forward_stats
+
+    mha = nn.MultiheadAttention(E, H, batch_first=True, add_bias_kv=True, device="meta")
+    x = torch.randn(B, L, E, device="meta")
+    kpm = torch.zeros(B, L, dtype=torch.bool, device="meta")
+    calls = []
+    for need_weights in (True, False):
+        with CaptureMode([MHAFrontEnd()], calls.append):
+            out, _ = mha(x, x, x, key_padding_mask=kpm, need_weights=need_weights)
+        assert out.device.type == "meta"
+    assert [c.kind for c in calls] == ["mha", "mha"]
+    for call in calls:
+        fields = forward_stats(call, {"actual": call.scale, "unscaled": 1.0}, 0.99)
+        assert fields["entropy@actual"].device.type == "meta" and fields["entropy@actual"].shape == (H,)
