@@ -24,6 +24,7 @@ The colour arithmetic is numpy; Pillow (a dependency of ``tensorboard``) draws t
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, NamedTuple, Sequence, Tuple
 
@@ -106,7 +107,8 @@ def colourize(values: np.ndarray, scale: ColourScale) -> np.ndarray:
     return out
 
 
-def _font(size: int):  # -> PIL font
+@functools.lru_cache(maxsize=None)
+def _font(size: int):  # -> PIL font; cached: loading the TrueType font costs more than drawing
     from PIL import ImageFont
 
     try:

@@ -34,7 +34,7 @@ def _steps_in_events(logdir, tag="probe/entropy/actual/layers.0"):
 class SlowSink(BaseSink):
     """Blocks in its first write until released (at most `patience` seconds)."""
 
-    def __init__(self, patience: float = 30.0) -> None:
+    def __init__(self, patience: float = 120.0) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
         self.patience = patience
