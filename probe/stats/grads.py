@@ -24,7 +24,7 @@ whatever the sequence length.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -38,8 +38,9 @@ __all__ = ["BACKWARD_METRICS", "grad_logits_chunk", "grad_logits_stats", "head_s
 BACKWARD_METRICS = ("grad_logits", "grad_q", "grad_k", "grad_v")
 
 # (B, H, rows, S) float32 buffers one backward chunk keeps alive at once: R (the next chunk's R
-# is built while this one's is still referenced), valid/bias, dP, P (in place of Z), P ⊙ dP, the
-# gradient. Measured at L = 8192: about 6 buffers' worth of extra peak; 8 leaves a margin.
+# is built while this one's is still referenced), valid/bias, and three reused workspaces (dP,
+# P in place of Z, the gradient). Measured at L = 8192: about 6 buffers' worth of extra peak; 8
+# leaves a margin.
 _BACKWARD_BUFFERS = 8
 
 
@@ -62,14 +63,29 @@ def _scale_view(scale: Scale, heads: int, like: Tensor) -> Scale:
     return float(scale)
 
 
-def _rows_times_kv(x: Tensor, kv_t: Tensor, kv_heads: int) -> Tensor:
-    """``x @ kv_t`` with query heads grouped onto kv heads: ``(B, H, l, d) @ (B, Hk, d, S)``."""
+def _rows_times_kv(x: Tensor, kv_t: Tensor, kv_heads: int, out: Optional[Tensor] = None) -> Tensor:
+    """``x @ kv_t`` with query heads grouped onto kv heads: ``(B, H, l, d) @ (B, Hk, d, S)``,
+    written into ``out`` (a contiguous ``(B, H, l, S)`` buffer) when given."""
     batch, heads, rows, dim = x.shape
     groups = heads // kv_heads
+    cols = kv_t.shape[-1]
     if groups == 1:
-        return x @ kv_t
-    out = x.reshape(batch, kv_heads, groups, rows, dim) @ kv_t.unsqueeze(2)
-    return out.reshape(batch, heads, rows, kv_t.shape[-1])
+        return torch.matmul(x, kv_t, out=out)
+    grouped = None if out is None else out.view(batch, kv_heads, groups, rows, cols)
+    res = torch.matmul(x.reshape(batch, kv_heads, groups, rows, dim), kv_t.unsqueeze(2), out=grouped)
+    return res.view(batch, heads, rows, cols)
+
+
+def _first_cols(t: Optional[Tensor], cols: int) -> Optional[Tensor]:
+    return t if t is None or t.shape[-1] == 1 else t[..., :cols]
+
+
+def _workspace(buffer: Optional[Tensor], shape: Tuple[int, ...], like: Tensor) -> Tensor:
+    """A ``shape`` view of the front of ``buffer`` (reused across chunks and scales: a fresh large
+    tensor per op costs page faults on CPUs), or a new tensor when there is none."""
+    if buffer is None:
+        return torch.empty(shape, dtype=torch.float32, device=like.device)
+    return buffer[: math.prod(shape)].view(shape)
 
 
 def grad_logits_chunk(
@@ -79,6 +95,7 @@ def grad_logits_chunk(
     dP: Tensor,
     scale: Scale,
     softcap: Optional[float] = None,
+    work: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> Tensor:
     """Per-head ``Σ (∂L/∂Z^σ)²`` over one chunk of query rows, shape ``(H,)``.
 
@@ -93,30 +110,31 @@ def grad_logits_chunk(
         dP: ``(∂L/∂out)·vᵀ`` for the same rows, ``(B, H, l, S)``, float32.
         scale: σ, a float or a per-head 1-D tensor.
         softcap: the logit soft-capping constant ``c`` or ``None``.
+        work: two flat float32 buffers of at least ``R.numel()`` elements to compute in (``R`` and
+            ``dP`` are never written); fresh tensors when ``None``.
 
     Pitfall: masked entries are set to ``-inf`` before the exponential, never multiplied by 0
     (which turns a fully masked row's ``-inf`` into NaN), and a fully masked row divides by 1
     instead of 0.
     """
-    # In-place wherever the tensor is our own: a chunk keeps R, dP, P and the gradient alive
-    # (plus one temporary), which is what _BACKWARD_BUFFERS budgets for.
-    s = _scale_view(scale, R.shape[1], R)
-    z = R * s
+    shape = tuple(R.shape)
+    p = _workspace(None if work is None else work[0], shape, R)
+    g = _workspace(None if work is None else work[1], shape, R)
+    torch.mul(R, _scale_view(scale, shape[1], R), out=p)
     if softcap is not None:
-        z = torch.tanh(z.div_(softcap)).mul_(softcap)
+        p.div_(softcap).tanh_().mul_(softcap)
     if bias is not None:
-        z.add_(bias)
+        p.add_(bias)
     if valid is not None:
-        z.masked_fill_(~valid, -math.inf)
-    m = z.amax(-1, keepdim=True)
+        p.masked_fill_(valid.logical_not(), -math.inf)
+    m = p.amax(-1, keepdim=True)
     m = torch.where(m == -math.inf, 0.0, m)
-    p = z.sub_(m).exp_()
+    p.sub_(m).exp_()
     se = p.sum(-1, keepdim=True)
-    p.div_(torch.where(se > 0, se, 1.0))
-    g = dP - (p * dP).sum(-1, keepdim=True)
-    g.mul_(p)
-    norm = torch.linalg.vector_norm(g, dim=(0, 2, 3))
-    return norm.square()
+    p.div_(torch.where(se > 0, se, 1.0))  # P
+    row = torch.mul(p, dP, out=g).sum(-1, keepdim=True)  # rowsum(P ⊙ dP)
+    torch.sub(dP, row, out=g).mul_(p)  # ∂L/∂Z
+    return g.mul_(g).sum((0, 2, 3))
 
 
 def grad_logits_stats(
@@ -158,15 +176,16 @@ def grad_logits_stats(
     if grad_probs is not None:
         dprobs = grad_probs.reshape(batch, heads, length, keys)
 
-        def dp_rows(r0: int, r1: int) -> Tensor:
-            return dprobs[:, :, r0:r1].float()
+        def dp_rows(r0: int, r1: int, cols: int, buffer: Optional[Tensor]) -> Tensor:
+            return dprobs[:, :, r0:r1, :cols].float()
 
     elif grad_output is not None and call.v is not None:
         vt = call.v.float().transpose(-1, -2)  # (B, Hk, dv, S)
         dout = grad_output.reshape(batch, heads, length, grad_output.shape[-1])
 
-        def dp_rows(r0: int, r1: int) -> Tensor:
-            return _rows_times_kv(dout[:, :, r0:r1].float(), vt, kv_heads)
+        def dp_rows(r0: int, r1: int, cols: int, buffer: Optional[Tensor]) -> Tensor:
+            out = _workspace(buffer, (batch, heads, r1 - r0, cols), vt)
+            return _rows_times_kv(dout[:, :, r0:r1].float(), vt[..., :cols], kv_heads, out)
 
     else:
         return {}
@@ -183,15 +202,23 @@ def grad_logits_stats(
     # iter_chunks sizes its chunks for the forward's live buffers; ask it for the row count that
     # keeps the backward's larger set of buffers within the budget.
     rows = max(1, budget_bytes // max(1, batch * heads * keys * 4 * _BACKWARD_BUFFERS))
+    size = batch * heads * min(rows, length) * keys
+    work = (torch.empty(size, device=q.device), torch.empty(size, device=q.device))
+    dp_buffer = torch.empty(size, device=q.device) if grad_probs is None else None
     sums: Dict[str, Tensor] = {}
     if groups:
         forward_row_bytes = max(1, 2**40 // chunk_rows(batch, heads, keys, 2**40))
         r0 = 0
         for R, valid, bias in iter_chunks(call, rows * forward_row_bytes):
             r1 = r0 + R.shape[2]
-            dP = dp_rows(r0, r1)
+            # Under causal masking keys after the chunk's last row are masked for all its rows:
+            # P = 0 there, so they carry no gradient and are skipped (half the work).
+            cols = min(keys, r1) if call.causal else keys
+            if cols < keys:
+                R, valid, bias = R[..., :cols], _first_cols(valid, cols), _first_cols(bias, cols)
+            dP = dp_rows(r0, r1, cols, dp_buffer)
             for names in groups.values():
-                part = grad_logits_chunk(R, valid, bias, dP, scales[names[0]], call.softcap).to(acc)
+                part = grad_logits_chunk(R, valid, bias, dP, scales[names[0]], call.softcap, work).to(acc)
                 sums[names[0]] = part if names[0] not in sums else sums[names[0]] + part
             r0 = r1
     if own_logits and call.logits is not None:
@@ -200,7 +227,8 @@ def grad_logits_stats(
         for r0 in range(0, length, rows):
             z = logits[:, :, r0 : r0 + rows].float()
             # masked entries are -inf or finfo.min in the model's own logits: exp gives 0
-            part = grad_logits_chunk(z, None, None, dp_rows(r0, min(length, r0 + rows)), 1.0).to(acc)
+            dP = dp_rows(r0, min(length, r0 + rows), keys, dp_buffer)
+            part = grad_logits_chunk(z, None, None, dP, 1.0, None, work).to(acc)
             part_sum = part if part_sum is None else part_sum + part
         if part_sum is not None:
             groups[None] = own_logits
