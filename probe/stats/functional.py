@@ -29,6 +29,7 @@ from probe.call import AttentionCall, Scale
 __all__ = [
     "FORWARD_METRICS",
     "accumulation_dtype",
+    "cache_chunk_rows",
     "chunk_rows",
     "combine_moments",
     "forward_stats",
@@ -60,6 +61,12 @@ def chunk_rows(batch: int, heads: int, keys: int, budget_bytes: int) -> int:
     """Query rows per chunk so that the chunk's live buffers stay within ``budget_bytes``."""
     per_row = max(1, batch * heads * keys * 4 * _LIVE_BUFFERS)
     return max(1, budget_bytes // per_row)
+
+
+def cache_chunk_rows(batch: int, heads: int, keys: int) -> int:
+    """Query rows per chunk that keep one ``(B, H, rows, S)`` float32 buffer near the size of a
+    core's L2 cache (at least 16 rows, so the per-chunk Python overhead stays small)."""
+    return max(16, _CACHE_CHUNK_BYTES // max(1, batch * heads * keys * 4))
 
 
 def sample_rows(length: int, rows: int, generator: Optional[torch.Generator] = None,
@@ -476,8 +483,7 @@ def forward_stats(
         cpu_positions = sample_rows(length, rows, generator)
         positions = cpu_positions.to(call.q.device, non_blocking=True)
     # Within the budget, also keep a chunk near the cache size (never below 16 rows).
-    step = chunk_rows(batch, heads, keys, budget_bytes)
-    step = min(step, max(16, _CACHE_CHUNK_BYTES // max(1, batch * heads * keys * 4)))
+    step = min(chunk_rows(batch, heads, keys, budget_bytes), cache_chunk_rows(batch, heads, keys))
 
     shifted = _shiftable(call, values)
     floats = [float(v) for v in values] if shifted else []
