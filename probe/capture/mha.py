@@ -302,6 +302,9 @@ def _fused_funcs() -> Tuple[Callable[..., Any], ...]:
     return tuple(getattr(torch, n) for n in names if hasattr(torch, n))
 
 
+_FUSED = _fused_funcs()
+
+
 class MHAFrontEnd:
     """Intercepts ``F.multi_head_attention_forward`` (every ``nn.MultiheadAttention`` call).
 
@@ -309,13 +312,13 @@ class MHAFrontEnd:
     (``layers.0.self_attn``), or the custom module calling the function directly.
     """
 
-    funcs: Tuple[Callable[..., Any], ...] = (F.multi_head_attention_forward,) + _fused_funcs()
+    funcs: Tuple[Callable[..., Any], ...] = (F.multi_head_attention_forward,) + _FUSED
 
     def __init__(self) -> None:
         self._warned: Set[str] = set()
 
     def handle(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any], emit: Emit) -> Any:
-        if func is not F.multi_head_attention_forward:
+        if func in _FUSED:
             self._warn_once(getattr(func, "__name__", repr(func)), (
                 f"probe: torch.{getattr(func, '__name__', func)} (a fused attention kernel) was called directly; "
                 "it runs unchanged and its attention is NOT measured. Call the nn.MultiheadAttention / "
@@ -323,7 +326,7 @@ class MHAFrontEnd:
             ))
             return func(*args, **kwargs)
         if len(args) > len(_KNOWN) or not _KNOWN.issuperset(kwargs):
-            self._warn_once("signature", (
+            self._warn_once(f"signature:{sorted(kwargs)}", (
                 "probe: F.multi_head_attention_forward was called with arguments this version of probe "
                 f"does not know ({sorted(set(kwargs) - _KNOWN)}); it runs unchanged and is NOT measured."
             ))

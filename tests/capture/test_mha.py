@@ -504,3 +504,35 @@ def test_capture_and_reductions_run_on_meta_tensors():
     for call in calls:
         fields = forward_stats(call, {"actual": call.scale, "unscaled": 1.0}, 0.99)
         assert fields["entropy@actual"].device.type == "meta" and fields["entropy@actual"].shape == (H,)
+
+
+def test_functional_call_from_a_custom_module_is_named_after_it_and_unknown_arguments_warn():
+    mha = nn.MultiheadAttention(E, H)
+
+    class Custom(nn.Module):
+        def __init__(self, **extra):
+            super().__init__()
+            self.extra = extra
+
+        def forward(self, x):
+            return F.multi_head_attention_forward(
+                x, x, x, E, H, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.0,
+                mha.out_proj.weight, mha.out_proj.bias, need_weights=False, **self.extra)[0]
+
+    model = nn.Sequential(Custom())
+    x = torch.randn(L, B, E)
+    with probe.watch(model) as p:
+        out = model(x)
+    assert p.summary().sites == ["0"] and p.summary().info("0")["kind"] == "mha"
+    assert torch.equal(out, model(x))
+
+    def newer(*args, future_flag=None, **kwargs):  # a PyTorch whose function grew an argument
+        return F.multi_head_attention_forward(*args, **kwargs)
+
+    from probe.capture.mha import MHAFrontEnd
+
+    got = []
+    with pytest.warns(UserWarning, match=r"future_flag.*NOT measured"):
+        MHAFrontEnd().handle(newer, (x, x, x, E, H, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.0,
+                                     mha.out_proj.weight, mha.out_proj.bias), {"future_flag": 1}, got.append)
+    assert got == []
