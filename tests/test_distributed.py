@@ -204,8 +204,11 @@ def test_wrapper_prefixes_are_stripped():
     names = site_names(wrapped)
     assert names[id(model.layers[0])] == "layers.0" and names[id(model)] == "root"
     holder = nn.Module()
-    holder._orig_mod = model
+    holder._orig_mod = wrapped  # torch.compile(DataParallel(model)) holds it like this
     assert site_names(holder)[id(model.layers[1])] == "layers.1"
+    outer = nn.Module()
+    outer.module = model  # "module" is only a wrapper segment under (Distributed)DataParallel
+    assert site_names(outer)[id(model.layers[1])] == "module.layers.1"
     with probe.watch(wrapped) as p:
         wrapped(worker.full_batch(0))
     assert p.summary().sites == ["layers.0", "layers.1"]

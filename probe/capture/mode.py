@@ -136,17 +136,21 @@ WRAPPER_ATTRS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wra
 def site_names(root: nn.Module) -> Dict[int, str]:
     """id(module) → site name: its qualified name in ``root`` without wrapper segments.
 
-    ``DistributedDataParallel`` / ``DataParallel`` at the root hold the model as ``module``, so
-    ``probe.watch(ddp_model)`` names sites ``layers.0``, not ``module.layers.0``; so do the
-    :data:`WRAPPER_ATTRS` anywhere in the tree. The wrapped module itself is named like its
+    ``DistributedDataParallel`` / ``DataParallel`` hold the model as ``module``, so
+    ``probe.watch(ddp_model)`` (or ``probe.watch(torch.compile(ddp_model))``) names sites
+    ``layers.0``, not ``module.layers.0``; the :data:`WRAPPER_ATTRS` are dropped anywhere in the tree. The wrapped module itself is named like its
     wrapper (a call issued directly by the wrapped root is ``root``).
     """
-    parallel = isinstance(root, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+    modules = dict(root.named_modules())
     names: Dict[int, str] = {}
-    for name, module in root.named_modules():
-        parts = [part for part in name.split(".") if part and part not in WRAPPER_ATTRS]
-        if parallel and parts and name.split(".")[0] == "module":
-            parts = parts[1:]
+    for name, module in modules.items():
+        parts: List[str] = []
+        path = ""
+        for part in name.split(".") if name else []:
+            parallel = isinstance(modules.get(path), (nn.parallel.DistributedDataParallel, nn.DataParallel))
+            if part not in WRAPPER_ATTRS and not (parallel and part == "module"):
+                parts.append(part)
+            path = f"{path}.{part}" if path else part
         names[id(module)] = ".".join(parts) or "root"
     return names
 
