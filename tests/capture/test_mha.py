@@ -7,7 +7,6 @@ keys, masks) and scored by the plain float64 reference in tests/helpers.
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import pytest
