@@ -103,7 +103,7 @@ class Reducer:
         self.world: int = dist.get_world_size(group)
         backend = str(dist.get_backend(group)).lower()
         # NCCL only moves CUDA tensors; gloo and others gather on the host.
-        if "nccl" in backend:
+        if "nccl" in backend and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")

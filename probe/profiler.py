@@ -155,8 +155,12 @@ class Probe:
         writes = self._dist is None or self._dist.rank == 0  # only rank 0 of the group writes
         self._logdir: Optional[str] = None
         self._sinks: List[Sink] = []
-        if logdir is not None and writes:
-            self._sinks.append(self._tensorboard_sink(logdir, per_head))
+        if logdir is not None:
+            sink = self._tensorboard_sink(logdir, per_head)  # validates `logdir` on every rank
+            if writes:
+                self._sinks.append(sink)
+            else:
+                self._logdir = None  # no probe_summary.json either
         if writes:
             self._sinks.extend(sinks)
 

@@ -142,6 +142,11 @@ def run_manual(rank: int) -> Dict[str, Any]:
 
 def run_sampling(rank: int) -> Dict[str, Any]:
     model = parity_model()
+    try:  # a bad logdir fails on every rank, not only on the one that writes
+        probe.watch(model, logdir=3.5).close()
+        rejected = ""
+    except probe.ProbeError as err:
+        rejected = str(err)
     p = probe.watch(model, every=3)
     after: List[int] = []
     for step in range(7):
@@ -149,7 +154,7 @@ def run_sampling(rank: int) -> Dict[str, Any]:
         after.append(p._dist.collectives)
     p.close()
     after.append(p._dist.collectives)
-    return {"collectives_after_step": after, "steps": p.summary().steps}
+    return {"collectives_after_step": after, "steps": p.summary().steps, "bad_logdir": rejected}
 
 
 def run_uneven(rank: int) -> Dict[str, Any]:

@@ -133,6 +133,11 @@ def test_no_collective_on_unsampled_steps(ranks):
     assert ranks["results"][0]["sampling"]["steps"] == 3
 
 
+def test_bad_logdir_is_rejected_on_every_rank(ranks):
+    for r in range(WORLD):
+        assert "expected `logdir` to be a path or a SummaryWriter, got float" in ranks["results"][r]["sampling"]["bad_logdir"]
+
+
 def test_uneven_lengths_and_rank_only_sites_match_one_process(ranks):
     # One process seeing both ranks' inputs of each step, as one step.
     model = worker.Branchy()
