@@ -203,8 +203,9 @@ def grad_logits_stats(
     # keeps the backward's larger set of buffers within the budget.
     rows = max(1, budget_bytes // max(1, batch * heads * keys * 4 * _BACKWARD_BUFFERS))
     size = batch * heads * min(rows, length) * keys
-    work = (torch.empty(size, device=q.device), torch.empty(size, device=q.device))
-    dp_buffer = torch.empty(size, device=q.device) if grad_probs is None else None
+    work = (torch.empty(size, dtype=torch.float32, device=q.device),
+            torch.empty(size, dtype=torch.float32, device=q.device))
+    dp_buffer = torch.empty(size, dtype=torch.float32, device=q.device) if grad_probs is None else None
     sums: Dict[str, Tensor] = {}
     if groups:
         forward_row_bytes = max(1, 2**40 // chunk_rows(batch, heads, keys, 2**40))
