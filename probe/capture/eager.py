@@ -79,6 +79,7 @@ class _Meta:
     merged: Optional[Tuple[int, int]] = None  # (B, H) when this (B*H, L, d) came from (B, H, L, d)
     src: Optional[Tensor] = None  # this tensor is ``src.transpose(-1, -2)`` (the model's own k)
     whole: Optional[Tensor] = None  # the (B, H, n, d) tensor this (B*H, n, d) one was reshaped from
+    kv: Optional[Tensor] = None  # the (B, Hk, n, d) tensor this one repeats per group (repeat_kv)
 
 
 @dataclasses.dataclass
@@ -100,6 +101,19 @@ class _Pending:
 def _permuted(t: Tensor, dims: List[int]) -> Tensor:
     # The tensor itself when nothing moves, so that hooks on it see the model's gradient.
     return t if dims == list(range(t.dim())) else t.permute(dims)
+
+
+def _repeat_kv(x: Tensor, out: Tensor) -> Optional[_Meta]:
+    """``x[:, :, None].expand(B, Hk, n, S, d).reshape(B, Hk * n, S, d)`` (Hugging Face's
+    ``repeat_kv``): the kv tensor it repeats, the model's own when ``x`` is a view of it."""
+    b, hk, n, length, d = x.shape
+    if n < 2 or tuple(out.shape) != (b, hk * n, length, d):
+        return None
+    base = x._base
+    if (base is not None and tuple(base.shape) == (b, hk, length, d) and base.data_ptr() == x.data_ptr()
+            and base.unsqueeze(2).expand(x.shape).stride() == x.stride()):
+        return _Meta(kv=base)
+    return _Meta(kv=x.select(2, 0))
 
 
 def _number(x: Any) -> bool:
@@ -222,9 +236,15 @@ class EagerFrontEnd:
             else:
                 merged = None
                 q, k = q.unsqueeze(1), k.unsqueeze(1)
+        k = self._unrepeated(k)
         if k.shape[0] not in (1, q.shape[0]) or q.shape[1] % k.shape[1]:
             return None
         return _Scores(q=q, k=k, ndim=out.dim(), merged=merged, scale=scale)
+
+    def _unrepeated(self, t: Tensor) -> Tensor:
+        """The kv-head tensor behind a ``repeat_kv`` copy (grouped-query attention), else ``t``."""
+        meta = self._get(t)
+        return meta.kv if isinstance(meta, _Meta) and meta.kv is not None else t
 
     def _whole(self, t: Tensor, merged: Tuple[int, int]) -> Tensor:
         meta = self._get(t)
@@ -238,7 +258,7 @@ class EagerFrontEnd:
         probs = self._get(a)
         if isinstance(probs, _Pending):  # P @ v: the call is complete
             if isinstance(b, Tensor) and isinstance(out, Tensor) and a.dim() == b.dim() == out.dim() in (3, 4):
-                probs.fire(self._heads(b, probs.merged), self._heads(out, probs.merged))
+                probs.fire(self._unrepeated(self._heads(b, probs.merged)), self._heads(out, probs.merged))
             return
         self._set(out, self._start(a, b, out))
 
@@ -443,6 +463,9 @@ class EagerFrontEnd:
             elif x.dim() in (3, 4) and len(args) == 3 and all(isinstance(a, int) for a in args[1:]):
                 if {args[1] % x.dim(), args[2] % x.dim()} == {x.dim() - 2, x.dim() - 1}:
                     self._set(out, _Meta(src=x))
+            return
+        if record is None and x.dim() == 5 and out.dim() == 4 and x.stride(2) == 0:
+            self._set(out, _repeat_kv(x, out))
             return
         merged = None
         if x.dim() == 4 and out.dim() == 3 and out.shape[0] == x.shape[0] * x.shape[1] and out.shape[1:] == x.shape[2:]:

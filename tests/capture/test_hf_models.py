@@ -162,6 +162,12 @@ def test_eager_and_sdpa_same_sites_scales_and_metrics(name):
     assert eager.sites == sdpa.sites and sorted(eager.sites) == sorted(sites(name))
     for i, site in enumerate(sites(name)):
         assert eager.info(site)["kind"] == "eager" and sdpa.info(site)["kind"] == "sdpa"
+        for field in ("heads", "d_k"):
+            assert eager.info(site)[field] == sdpa.info(site)[field], (site, field)
+        # GQA: eager sees through repeat_kv; with a padding mask Hugging Face repeats k before
+        # SDPA too (no enable_gqa), and SDPA is then handed the repeated heads
+        kv = {"llama": 2, "mistral": 2}.get(name, 4)
+        assert eager.info(site)["kv_heads"] == kv and sdpa.info(site)["kv_heads"] in (kv, 4)
         for s in (eager, sdpa):
             assert s.info(site)["scale"] == pytest.approx(expected_scale(name, i % 2), rel=1e-7), site
         for metric in METRICS:
@@ -283,21 +289,25 @@ def test_kv_cache_generate_eager_and_sdpa(name):
             np.testing.assert_allclose(eager.value(site, metric), sdpa.value(site, metric), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["bert", "gpt2_inverse", "t5"])
+@pytest.mark.parametrize("name", ["bert", "gpt2_inverse", "t5", "llama"])
 def test_backward_metrics_eager_and_sdpa_agree(name):
     # Eager calls carry v and the output once P @ v is seen: grad_logits at every scale and
     # grad_q / grad_k / grad_v from autograd, the same as the SDPA implementation's.
     summaries = {}
     for attn in ("eager", "sdpa"):
         model = build(name, attn)
+        batch = inputs(name)
+        if name == "llama":  # no padding mask: SDPA then takes k per kv head (enable_gqa) as eager
+            del batch["attention_mask"]
         with probe.watch(model) as p:
-            out = _main(model(**inputs(name)))
+            out = _main(model(**batch))
             # a fixed random projection: the mean square of a LayerNorm output has ~no gradient
             (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
         _assert_clean(model)
         summaries[attn] = p.summary()
     eager, sdpa = summaries["eager"], summaries["sdpa"]
     for site in sites(name):
+        assert eager.info(site)["kv_heads"] == sdpa.info(site)["kv_heads"]
         for metric in ("grad_q", "grad_k", "grad_v"):
             np.testing.assert_allclose(eager.value(site, metric), sdpa.value(site, metric), rtol=1e-4, atol=1e-9,
                                        err_msg=f"{site} {metric}")
