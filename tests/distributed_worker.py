@@ -140,6 +140,21 @@ def run_manual(rank: int) -> Dict[str, Any]:
     return {"summary": p.summary().to_dict(), "collectives": p._dist.collectives}
 
 
+def run_mismatch(rank: int) -> Dict[str, Any]:
+    """Ranks number their steps differently (same number of flushes): a warning, not a hang."""
+    import warnings
+
+    model = parity_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = probe.watch(model)
+        for step in range(2):
+            p.step(step + 10 * rank)
+            model(full_batch(step)[rank : rank + 1])
+        p.close()
+    return {"warnings": [str(w.message) for w in caught]}
+
+
 def run_sampling(rank: int) -> Dict[str, Any]:
     model = parity_model()
     try:  # a bad logdir fails on every rank, not only on the one that writes
@@ -180,6 +195,7 @@ def main() -> None:
             "uneven": run_uneven(rank),
             "fsdp": run_fsdp(rank, world),
             "manual": run_manual(rank),
+            "mismatch": run_mismatch(rank),
         }
     finally:
         dist.destroy_process_group()

@@ -133,6 +133,12 @@ def test_no_collective_on_unsampled_steps(ranks):
     assert ranks["results"][0]["sampling"]["steps"] == 3
 
 
+def test_ranks_at_different_steps_warn(ranks):
+    for r in range(WORLD):
+        found = [w for w in ranks["results"][r]["mismatch"]["warnings"] if "ranks flushed at different steps" in w]
+        assert len(found) == 1 and "[0, 10]" in found[0], ranks["results"][r]["mismatch"]["warnings"]
+
+
 def test_bad_logdir_is_rejected_on_every_rank(ranks):
     for r in range(WORLD):
         assert "expected `logdir` to be a path or a SummaryWriter, got float" in ranks["results"][r]["sampling"]["bad_logdir"]
