@@ -177,3 +177,44 @@ def test_sink_close_twice_and_context_manager(tmp_path):
     sink.close()
     sink.flush()
     assert list(tmp_path.glob("events.out.tfevents.*"))
+
+
+def test_sites_appearing_later_and_extra_scales_reach_every_panel(tmp_path):
+    import torch
+    from torch import nn
+
+    from tests.helpers import SDPAAttention
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = SDPAAttention(), SDPAAttention()
+
+        def forward(self, x, second=False):
+            x = self.a(x)
+            return self.b(x) if second else x
+
+    model = Branchy()
+    x = torch.randn(1, 5, 64)
+    with probe.watch(model, logdir=tmp_path, scales={"half": lambda d: 0.5 * d**-0.5}, per_head=True):
+        model(x)
+        model(x, second=True)
+    acc = _events(tmp_path)
+    layout = _layout(acc)  # the last layout written, which TensorBoard shows
+    entropy = next(c for c in layout.category if c.title == "probe/entropy")
+    assert [c.title for c in entropy.chart] == ["a", "b"]
+    (regex,) = entropy.chart[1].multiline.tag
+    assert sorted(t for t in acc.Tags()["scalars"] if re.search(regex, t)) == [  # no /headNN tags
+        f"probe/entropy/{s}/b" for s in ("actual", "half", "standard", "unscaled")]
+    assert [e.step for e in acc.Scalars("probe/entropy/half/b")] == [1]
+    assert [i.step for i in acc.Images("probe_heatmap/entropy/half")] == [0, 1]
+    # the heatmap of step 0 has one row (site a), of step 1 two: it grew with the sites
+    for image, sites in zip(acc.Images("probe_heatmap/entropy/half"), (["a"], ["a", "b"])):
+        decoded = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"))
+        grid = np.array([[next(e.value for e in acc.Scalars(scalar_tag("entropy", "half", site, h)) if e.step == image.step)
+                          for h in range(4)] for site in sites])
+        expected = render_heatmap(grid, sites, "entropy", "half", image.step)
+        assert decoded.shape == expected.shape
+        assert np.abs(decoded.astype(int) - expected.astype(int)).max() <= 2
+    tables = [t.tensor_proto.string_val[0].decode() for t in acc.Tensors("probe/sites/text_summary")]
+    assert len(tables) == 2 and "| b |" not in tables[0] and "| b | sdpa |" in tables[1]
