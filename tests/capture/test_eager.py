@@ -282,7 +282,7 @@ def test_no_tensor_kept_and_no_hook_left():
     with probe.watch(model) as p:
         model(x, pad)
         eager = next(f for f in p._frontends if isinstance(f, EagerFrontEnd))
-        assert not eager._table  # cleared when the capture mode exited
+        assert not eager._table and not eager._pending  # cleared when the capture mode exited
     assert not _get_current_function_mode_stack()
     assert not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks
     assert not model._forward_hooks and not model._forward_pre_hooks
