@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from probe.call import Scale
-from probe.capture.mode import site_names
+from probe.capture.mode import in_front_end, site_names
 from probe.errors import ProbeError
 
 __all__ = [
@@ -453,12 +453,14 @@ class InterventionMode(TorchFunctionMode):
     """Applies :func:`sdpa_change` to SDPA calls no capturing front end will handle.
 
     Passes a call through untouched when it is already applied (a front end runs it under the
-    flag) or when a capture mode below this one consults the registry itself.
+    flag), when a capture front end issues it internally (its recorded scale must stay true), or
+    when a capture mode below this one consults the registry itself.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if func is not torch.nn.functional.scaled_dot_product_attention or _APPLYING.get() or _capture_below(func):
+        if (func is not torch.nn.functional.scaled_dot_product_attention or _APPLYING.get()
+                or in_front_end() or _capture_below(func)):
             return func(*args, **kwargs)
         change = sdpa_change(args, kwargs)
         if change is None:

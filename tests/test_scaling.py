@@ -229,3 +229,29 @@ def test_no_host_sync_on_meta_tensors():
         assert model(q, k, v).device.type == "meta"
     with probe.scaling(model, "standard", sites="root"):
         assert model(q, k, v).shape == (2, 4, 5, 8)
+
+
+class MHAModel(nn.Module):
+    def __init__(self, need_weights: bool) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.need_weights = need_weights
+
+    def forward(self, x):
+        return self.mha(x, x, x, need_weights=self.need_weights)[0]
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_calls_a_front_end_makes_internally_are_not_overridden(need_weights):
+    """nn.MultiheadAttention is not reached by the override yet; with a probe attached its front
+    end's internal SDPA call must not be rewritten either (probe would record one scale and run
+    another, and attaching a probe would change the outputs)."""
+    model = MHAModel(need_weights).eval()
+    x = torch.randn(2, 5, 32)
+    before = model(x)
+    with probe.scaling(model, "unscaled"):
+        alone = model(x)
+    with probe.watch(model) as p, probe.scaling(model, "unscaled"):
+        probed = model(x)
+    assert torch.equal(alone, before) and torch.equal(probed, before)
+    assert p.summary().info("mha")["scale"] == pytest.approx(8**-0.5)

@@ -9,6 +9,7 @@ the qualified name of the innermost one.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -19,6 +20,17 @@ from torch.utils.hooks import RemovableHandle
 from probe.call import AttentionCall
 
 __all__ = ["CaptureMode", "FrontEnd", "ModuleStack", "WRAPPER_ATTRS", "site_names"]
+
+#: True while a front end handles an intercepted call. Interventions (``probe.intervene``) are then
+#: the front end's to apply or not: an intervention mode never rewrites the calls a front end makes
+#: internally (the MHA mirror's SDPA call), or probe would record one scale and run another.
+_IN_FRONT_END: contextvars.ContextVar[bool] = contextvars.ContextVar("probe_in_front_end", default=False)
+
+
+def in_front_end() -> bool:
+    """Whether the current code runs inside a capture front end's ``handle``."""
+    return _IN_FRONT_END.get()
+
 
 FrontEnd = Any  # an object with ``funcs`` (a tuple of callables) and ``handle(func, args, kwargs, emit)``
 
@@ -195,7 +207,11 @@ class CaptureMode(TorchFunctionMode):
         frontend = self._routes.get(func)
         if frontend is None:
             return func(*args, **kwargs)
-        return frontend.handle(func, args, kwargs, self._emit)
+        token = _IN_FRONT_END.set(True)
+        try:
+            return frontend.handle(func, args, kwargs, self._emit)
+        finally:
+            _IN_FRONT_END.reset(token)
 
     def pending(self) -> bool:
         """Whether a front end holds calls recorded but not yet measured (``pending`` list)."""
