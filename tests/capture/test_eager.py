@@ -355,3 +355,28 @@ def test_probabilities_never_multiplied_by_v_still_reported_without_v():
         np.testing.assert_allclose(s.value("root", metric), ref[metric], rtol=2e-4, atol=1e-6, err_msg=metric)
     metrics = s.to_dict()["sites"]["root"]["metrics"]
     assert "grad_q" in metrics and "grad_v" not in metrics and "grad_logits" not in metrics
+
+
+def test_bmm_without_heads_counts_each_batch_row_as_one_head():
+    class Flat(nn.Module):  # (N, L, d) from the start: no (B, H) merge to recover
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(D, D) for _ in range(3))
+
+        def forward(self, x):
+            q, k = self.q(x), self.k(x)
+            self.seen = (q, k)
+            att = torch.bmm(q, k.transpose(1, 2)) * D ** -0.5
+            return torch.bmm(att.softmax(-1), self.v(x))
+
+    torch.manual_seed(0)
+    model = Flat()
+    x = torch.randn(3, L, D) * 2
+    with probe.watch(model) as p:
+        model(x)
+    s = p.summary()
+    assert s.info("root")["heads"] == 1 and s.info("root")["scale"] == pytest.approx(D ** -0.5)
+    q, k = model.seen
+    ref = reference_metrics(q.unsqueeze(1), k.unsqueeze(1), D ** -0.5, torch.ones(3, 1, L, L, dtype=torch.bool))
+    for metric in METRICS:
+        np.testing.assert_allclose(s.value("root", metric), ref[metric], rtol=2e-4, atol=1e-6, err_msg=metric)
