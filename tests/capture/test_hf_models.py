@@ -34,9 +34,10 @@ def _config(name: str, attn: str, softcap: Any = None):
     if name == "bert":
         return tr.BertModel, tr.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                            intermediate_size=64, initializer_range=0.3, **common)
-    if name in ("gpt2", "gpt2_inverse"):
+    if name in ("gpt2", "gpt2_inverse", "gpt2_reorder"):
         return tr.GPT2LMHeadModel, tr.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=16, initializer_range=0.3,
-                                                 scale_attn_by_inverse_layer_idx=name == "gpt2_inverse", **common)
+                                                 scale_attn_by_inverse_layer_idx=name != "gpt2",
+                                                 reorder_and_upcast_attn=name == "gpt2_reorder", **common)
     if name == "llama":
         return tr.LlamaForCausalLM, tr.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                                    num_attention_heads=4, num_key_value_heads=2,
@@ -88,6 +89,7 @@ def sites(name: str) -> List[str]:
         "bert": [f"encoder.layer.{i}.attention.self" for i in layers],
         "gpt2": [f"transformer.h.{i}.attn" for i in layers],
         "gpt2_inverse": [f"transformer.h.{i}.attn" for i in layers],
+        "gpt2_reorder": [f"transformer.h.{i}.attn" for i in layers],
         "llama": [f"model.layers.{i}.self_attn" for i in layers],
         "mistral": [f"model.layers.{i}.self_attn" for i in layers],
         "gemma2": [f"model.layers.{i}.self_attn" for i in layers],
@@ -103,7 +105,7 @@ def expected_scale(name: str, site_index: int) -> float:
         return 1.0
     if name == "gemma2":
         return 16 ** -0.5
-    if name == "gpt2_inverse":
+    if name in ("gpt2_inverse", "gpt2_reorder"):
         return 8 ** -0.5 / (site_index + 1)
     return 8 ** -0.5
 
@@ -142,7 +144,9 @@ def run(model: nn.Module, batch: Dict[str, torch.Tensor], **kw: Any):
 
 
 FAMILIES = ["bert", "gpt2", "gpt2_inverse", "llama", "mistral", "t5", "vit", "gemma2"]
-SDPA_FAMILIES = [n for n in FAMILIES if n != "gemma2"]  # transformers 5.24 refuses sdpa for Gemma 2
+# transformers 5.24 refuses sdpa for Gemma 2; GPT-2's reorder_and_upcast_attn is an eager-only
+# path (baddbmm over (B*H, L, d), alpha=scale) whose heads probe recovers from the reshapes
+SDPA_FAMILIES = [n for n in FAMILIES if n != "gemma2"] + ["gpt2_reorder"]
 
 
 def test_gemma2_has_no_sdpa_in_this_transformers():
