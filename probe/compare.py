@@ -134,7 +134,10 @@ def _grad_norm(module: Optional[nn.Module]) -> float:
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     if not grads:
         return math.nan
-    return float(torch.sqrt(sum(g.detach().double().square().sum().cpu() for g in grads)))
+    total = torch.zeros((), dtype=torch.float64)
+    for g in grads:  # after backward, outside forward: reading the value here is fine
+        total += g.detach().double().square().sum().cpu()
+    return float(total.sqrt())
 
 
 def compare(

@@ -40,7 +40,6 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from probe.call import Scale
 from probe.capture.mode import in_front_end, site_names
 from probe.errors import ProbeError
 
@@ -163,10 +162,10 @@ class SiteStack:
 
     def next_site(self) -> Tuple[str, int]:
         """(qualified name, index of this call within the module's current invocation)."""
-        top = self._stack[-1] if self._stack else [id(self._root), "root", 0]
-        index = top[2]
+        top: List[Any] = self._stack[-1] if self._stack else [id(self._root), "root", 0]
+        index = int(top[2])
         top[2] += 1
-        return top[1], index
+        return str(top[1]), index
 
 
 # -- probe.scaling -----------------------------------------------------------------------------
@@ -272,7 +271,7 @@ class Scaling:
             if key not in self._on_device:
                 self._on_device[key] = spec.to(device=like.device, dtype=like.dtype)
             return True, name, self._on_device[key]
-        return True, name, spec
+        return True, name, None if isinstance(spec, str) else spec
 
     def __enter__(self) -> "Scaling":
         self._stack.activate()

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextvars
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -131,21 +131,29 @@ class Variant:
 
     def parameters(self) -> List[nn.Parameter]:
         """The variant's parameters (also reachable through ``model.parameters()``)."""
-        out = []
+        out: List[nn.Parameter] = []
         for module in self.modules.values():
             for name in (SCALE_PARAM, BIAS_PARAM):
-                if name in module._parameters:
-                    out.append(module._parameters[name])
+                param = module._parameters.get(name)
+                if param is not None:
+                    out.append(param)
+        return out
+
+    def _values(self, name: str) -> Dict[str, Tensor]:
+        out: Dict[str, Tensor] = {}
+        for site, module in self.modules.items():
+            param = module._parameters.get(name)
+            if param is not None:
+                out[site] = param.detach().clone()
         return out
 
     def scales(self) -> Dict[str, Tensor]:
         """The current per-head scales, per site (detached copies)."""
-        return {site: m._parameters[SCALE_PARAM].detach().clone() for site, m in self.modules.items()}
+        return self._values(SCALE_PARAM)
 
     def biases(self) -> Dict[str, Tensor]:
         """The current ``(heads, max_len)`` biases, per site (``scale_bias`` only)."""
-        return {site: m._parameters[BIAS_PARAM].detach().clone() for site, m in self.modules.items()
-                if BIAS_PARAM in m._parameters}
+        return self._values(BIAS_PARAM)
 
     def _install(self, site: str, module: nn.Module, reference: float, params: Dict[str, nn.Parameter]) -> None:
         for name, param in params.items():

@@ -3,7 +3,6 @@ site selection, probe reports the overridden scale, bad input."""
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
