@@ -280,3 +280,23 @@ def test_variant_under_gradient_checkpointing_and_a_probe_gives_the_same_gradien
                                handle.scales()["model.layers.0.self_attn"].numpy(), rtol=1e-6)
     assert "grad_q" in s.metrics("model.layers.0.self_attn")
     handle.remove()
+
+
+def test_trained_variant_round_trips_through_state_dict():
+    """Install on a fresh model first, then load: the variant's parameters are ordinary keys."""
+    model = SDPAModel(causal=True)
+    x = torch.randn(2, 6, D)
+    handle = variants.scale_bias(model, x, max_len=8)
+    with torch.no_grad():
+        for p in handle.parameters():
+            p.add_(torch.randn_like(p))
+        expected = model(x)
+    fresh = SDPAModel(causal=True)
+    again = variants.scale_bias(fresh, x, max_len=8)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(fresh(x), expected)
+    for site, value in handle.scales().items():
+        assert torch.equal(again.scales()[site], value)
+    handle.remove()
+    again.remove()
