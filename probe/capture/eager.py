@@ -442,7 +442,9 @@ class EagerFrontEnd:
     def _on_cast(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
         if isinstance(out, Tensor) and args:
             record = self._get(args[0])
-            if isinstance(record, (_Scores, _Pending)):
+            # dropout changes values: only the probabilities on their way to P @ v keep theirs
+            kinds = (_Pending,) if func in (F.dropout, torch.dropout) else (_Scores, _Pending, _Meta)
+            if isinstance(record, kinds):
                 self._set(out, record)
 
     def _on_view(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:

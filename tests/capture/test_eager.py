@@ -380,3 +380,26 @@ def test_bmm_without_heads_counts_each_batch_row_as_one_head():
     ref = reference_metrics(q.unsqueeze(1), k.unsqueeze(1), D ** -0.5, torch.ones(3, 1, L, L, dtype=torch.bool))
     for metric in METRICS:
         np.testing.assert_allclose(s.value("root", metric), ref[metric], rtol=2e-4, atol=1e-6, err_msg=metric)
+
+
+def test_half_precision_casts_keep_q_k_v_for_gradients():
+    # bf16 activations upcast before the product (q.float() @ k.T.float()): the casts are seen
+    # through, so the grad hooks sit on the model's own q, k, v.
+    class Upcast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(H * D, 3 * H * D)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).to(torch.bfloat16).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
+            att = (q.float() * D ** -0.5) @ k.transpose(-1, -2).float()  # cast after the transpose
+            att = torch.softmax(att, dim=-1).to(v.dtype)
+            return (att @ v).float().transpose(1, 2).reshape(B, L, H * D)
+
+    torch.manual_seed(0)
+    model = Upcast()
+    with probe.watch(model) as p:
+        model(torch.randn(B, L, H * D)).square().sum().backward()
+    s = p.summary()
+    assert s.info("root")["scale"] == pytest.approx(D ** -0.5)
+    assert {"grad_q", "grad_k", "grad_v", "grad_logits"} <= set(s.to_dict()["sites"]["root"]["metrics"])
