@@ -452,14 +452,18 @@ class EagerFrontEnd:
         if not isinstance(x, Tensor) or not isinstance(out, Tensor):
             return
         record = self._get(x)
-        if isinstance(record, _Scores):
-            self._set(out, self._reshaped(record, x, out))
-            return
-        if isinstance(record, _Pending):  # probabilities viewed between layouts, same values
-            if x.shape[-2:] == out.shape[-2:]:
+        transpose = func in (_TB.transpose, torch.transpose)
+        if isinstance(record, (_Scores, _Pending)):
+            if transpose:  # moves values (even when the shape stays, L == S)
+                if isinstance(record, _Scores) and x.dim() == out.dim():
+                    self._set(out, dataclasses.replace(record, unknown=True))
+                return
+            if isinstance(record, _Scores):
+                self._set(out, self._reshaped(record, x, out))
+            elif x.shape[-2:] == out.shape[-2:]:  # probabilities viewed between layouts
                 self._set(out, record)
             return
-        if func in (_TB.transpose, torch.transpose):
+        if transpose:
             if isinstance(record, _Meta) and record.base is not None:
                 self._set(out, _Meta(base=func(record.base, *args[1:], **kwargs), factor=record.factor))
             elif x.dim() in (3, 4) and len(args) == 3 and all(isinstance(a, int) for a in args[1:]):

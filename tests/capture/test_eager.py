@@ -403,3 +403,22 @@ def test_half_precision_casts_keep_q_k_v_for_gradients():
     s = p.summary()
     assert s.info("root")["scale"] == pytest.approx(D ** -0.5)
     assert {"grad_q", "grad_k", "grad_v", "grad_logits"} <= set(s.to_dict()["sites"]["root"]["metrics"])
+
+
+def test_transposed_scores_are_reported_with_unknown_scale():
+    # softmax over scoresᵀ (keys attend to queries) has the same shape when L == S but other
+    # values: (q, k, scale) do not describe it, so it is reported from the softmax input.
+    class KeysAttend(nn.Module):
+        def forward(self, q, k):
+            self.z = (q @ k.transpose(-1, -2)).transpose(-1, -2)
+            return torch.softmax(self.z, dim=-1)
+
+    model = KeysAttend()
+    with pytest.warns(UserWarning, match="could not be recovered"):
+        with probe.watch(model) as p:
+            model(torch.randn(B, H, L, D), torch.randn(B, H, L, D))
+    s = p.summary()
+    assert s.info("root")["scale"] is None
+    z = model.z.double()
+    np.testing.assert_allclose(s.value("root", "logit_max"), z.amax((0, 2, 3)).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(s.value("root", "logit_var"), z.var((0, 2, 3), unbiased=False).numpy(), rtol=1e-5)
