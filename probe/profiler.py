@@ -252,6 +252,7 @@ class Probe:
             self._started = True
         if self._grad_hooks.step is not None and self._grad_hooks.step != self._step:
             self._grad_hooks.remove()  # the previous step's backward is over (or never came)
+        self._grad_hooks.root_grad = torch.is_grad_enabled()
         self._maybe_flush()
         if not self._sampled():
             return
@@ -341,8 +342,11 @@ class Probe:
             fields["scale"] = call.scale.detach().reshape(-1).expand(call.heads).to(fields["rows"].dtype)
         key = (name, index)
         self._acc.add(key, fields)
-        if self.grads:
+        if self.grads and torch.is_grad_enabled():
             self._grad_hooks.register(call, key, self._step, scales, self.memory_budget)
+        elif self.grads and self._grad_hooks.root_grad:  # no_grad inside a training forward: reentrant checkpoint
+            module = self.model.get_submodule(name) if name != "root" else self.model
+            self._grad_hooks.defer(module, key, self._step, self._scales_for, self.memory_budget, self._frontends)
         info = self._infos.get(key)
         if info is None:
             info = self._infos[key] = {

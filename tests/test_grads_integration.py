@@ -241,12 +241,36 @@ def test_activation_checkpointing(factory):
     assert len(_grad_values(plain)) == len(plain.sites) * (3 + 3)  # grad_logits x 3 scales + q, k, v
 
     # reentrant checkpointing runs the forward under no_grad and recomputes it inside backward,
-    # outside the probed forward: no hook can be registered; grad metrics absent, training intact
+    # outside the probed forward: the recomputation is captured on the issuing modules
     reentrant, reentrant_grads = _checkpointed_run(factory, True)
-    assert reentrant.sites == plain.sites and not _grad_values(reentrant)
+    _assert_same(_grad_values(reentrant), _grad_values(plain), rtol=1e-6)
+    assert [reentrant.info(site)["calls"] for site in reentrant.sites] == [1] * len(plain.sites)  # counted once
     for a, b, c in zip(plain_grads, ckpt_grads, reentrant_grads):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-7)
+
+
+def test_frozen_no_grad_block_inside_a_training_forward_gets_no_grad_metrics_and_no_hooks_left():
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.frozen, self.trained = SDPAModel(layers=1), SDPAModel(layers=1)
+
+        def forward(self, x):
+            with torch.no_grad():
+                x = self.frozen(x)
+            return self.trained(x)
+
+    model = Frozen()
+    with probe.watch(model) as p:
+        model(torch.randn(1, 4, 64)).sum().backward()
+        model(torch.randn(1, 4, 64)).sum().backward()  # the next step removes the first one's hooks
+        submodule_hooks = [n for n, m in model.named_modules() if n and (m._forward_hooks or m._forward_pre_hooks)]
+        assert submodule_hooks == ["frozen.layers.0"]  # the current step's watch on the no-grad block
+    s = p.summary()
+    assert not set(GRAD_METRICS) & set(s.metrics("frozen.layers.0"))
+    assert set(GRAD_METRICS) <= set(s.metrics("trained.layers.0"))
+    assert not [n for n, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
 
 
 # -- failures ----------------------------------------------------------------------------------
