@@ -257,7 +257,9 @@ class EagerFrontEnd:
         b = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
         probs = self._get(a)
         if isinstance(probs, _Pending):  # P @ v: the call is complete
-            if isinstance(b, Tensor) and isinstance(out, Tensor) and a.dim() == b.dim() == out.dim() in (3, 4):
+            if not (isinstance(a, Tensor) and isinstance(b, Tensor) and isinstance(out, Tensor)):
+                return
+            if a.dim() == b.dim() == out.dim() in (3, 4):
                 probs.fire(self._unrepeated(self._heads(b, probs.merged)), self._heads(out, probs.merged))
             return
         self._set(out, self._start(a, b, out))
@@ -293,13 +295,13 @@ class EagerFrontEnd:
         sa, sb = ins.split(",") if ins.count(",") == 1 else ("", "")
         if len(sa) != len(sb) or len(sa) not in (3, 4) or len(res) != len(sa):
             return
-        batch, (qi, ki) = res[:-2], res[-2:]
+        batch, qi, ki = res[:-2], res[-2], res[-1]
         d = set(sa) & set(sb) - set(res)
         if len(d) != 1 or qi not in sa or qi in sb or ki not in sb or ki in sa or any(c not in sa + sb for c in batch):
             return
         if not all(c in sa and c in sb for c in batch):
             return
-        (di,) = d
+        di = next(iter(d))
         probs = self._get(ops[0])
         if isinstance(probs, _Pending):  # einsum("bhqk,bhkd->bhqd", P, v), any letters
             # here di is the key letter (contracted) and ki the value feature letter
@@ -379,7 +381,8 @@ class EagerFrontEnd:
 
     # -- bias and masks ----------------------------------------------------------------------------
     def _add_bias(self, out: Any, node: _Scores, other: Any, coeff: Any) -> None:
-        if node.unknown or node.tanh or not isinstance(other, Tensor) or not _number(coeff) or other.dtype == torch.bool:
+        describable = isinstance(other, Tensor) and other.dtype != torch.bool and _number(coeff)
+        if node.unknown or node.tanh or not describable:
             self._set(out, dataclasses.replace(node, unknown=True))
             return
         self._set(out, dataclasses.replace(node, biases=node.biases + ((other, float(coeff), node.ndim),)))
@@ -505,7 +508,7 @@ class EagerFrontEnd:
     def _on_softmax(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
         x = args[0] if args else kwargs.get("input")
         node = self._get(x)
-        if not isinstance(node, _Scores):
+        if not isinstance(node, _Scores) or not isinstance(x, Tensor):
             return  # not over q·kᵀ: an output layer, a router, ...
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if not isinstance(dim, int) or dim not in (-1, x.dim() - 1):
