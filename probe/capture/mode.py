@@ -90,17 +90,12 @@ class ModuleStack:
     def _drain(self) -> None:
         """Let front ends measure calls they could only record (FlexAttention, whose operator
         runs inside a compiled region): at every module boundary, attributed to the module on top
-        of the stack (the one that issued them), measured with the capture mode off the
-        function-mode stack so the statistics' ops are not captured."""
-        n = torch._C._len_torch_function_stack()
-        mode = torch._C._get_function_stack_at(n - 1) if n else None
-        if not isinstance(mode, CaptureMode) or not mode.pending():
-            return
-        torch._C._pop_torch_function_stack()
-        try:
-            mode.drain(self._stack[-1][1])
-        finally:
-            torch._C._push_on_torch_function_stack(mode)
+        of the stack (the one that issued them), measured with the capture mode paused so the
+        statistics' ops are not captured."""
+        for i in range(torch._C._len_torch_function_stack()):
+            mode = torch._C._get_function_stack_at(i)
+            if isinstance(mode, CaptureMode) and mode.pending():
+                mode.drain(self._stack[-1][1])
 
     def _maybe_run_fused(self, module: nn.Module, name: str, args: Any) -> None:
         """Let a module run PyTorch's fused kernel when only that path can run it.
@@ -184,6 +179,7 @@ class CaptureMode(TorchFunctionMode):
         self._emit = emit
         self._traceable = [(f, fe) for fe in frontends if getattr(fe, "traceable", False) for f in fe.funcs]
         self._recording = [fe for fe in frontends if hasattr(fe, "pending") and hasattr(fe, "drain")]
+        self._paused = False
 
     def __exit__(self, *exc: Any) -> None:
         # Front ends that track tensors during the forward (eager) forget them here.
@@ -197,6 +193,8 @@ class CaptureMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
         if torch.compiler.is_compiling():
             # Dynamo traces this mode inside a compiled region (FlexAttention compiles its
             # operator even in eager mode): only front ends marked ``traceable`` may act there.
@@ -218,10 +216,16 @@ class CaptureMode(TorchFunctionMode):
         return any(f.pending for f in self._recording)
 
     def drain(self, site: str) -> None:
-        """Have front ends with ``drain(emit, site)`` measure their recorded calls now."""
-        for frontend in self._recording:
-            if frontend.pending:
-                frontend.drain(self._emit, site)
+        """Have front ends with ``drain(emit, site)`` measure their recorded calls now, with this
+        mode passing every function through (it may sit below another mode: it is paused, not
+        popped)."""
+        self._paused = True
+        try:
+            for frontend in self._recording:
+                if frontend.pending:
+                    frontend.drain(self._emit, site)
+        finally:
+            self._paused = False
 
     def consults_overrides(self, func: Callable[..., Any]) -> bool:
         """Whether the front end for ``func`` applies :mod:`probe.intervene` overrides itself

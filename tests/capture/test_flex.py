@@ -199,3 +199,30 @@ def test_hugging_face_flex_implementation_matches_eager_per_head():
             for scale in ("actual", "unscaled", "standard"):
                 np.testing.assert_allclose(flex_s.value(site, metric, scale), eager_s.value(site, metric, scale),
                                            rtol=1e-4, atol=1e-5, err_msg=f"{site} {metric}@{scale}")
+
+
+def test_a_mode_above_the_capture_does_not_change_the_site_or_metrics():
+    """A TorchFunctionMode entered in the attention module's own hooks (as probe's variants do)
+    sits above the capture mode while flex runs: the call is still measured at its own site."""
+    from torch.overrides import TorchFunctionMode
+
+    class PassThrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    model = Model(score_mod=rel_bias)
+    above = PassThrough()
+    def enter(module, args):
+        above.__enter__()  # returns None: the args are unchanged
+
+    def leave(module, args, output):
+        above.__exit__(None, None, None)
+
+    handles = [model.attn.register_forward_pre_hook(enter), model.attn.register_forward_hook(leave, always_call=True)]
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    try:
+        s = _run(model, q, k, v)
+    finally:
+        for h in handles:
+            h.remove()
+    _check(s, q, k, _valid(None), _rel_bias_plain(), {"actual": 1 / math.sqrt(D), "unscaled": 1.0})
