@@ -38,7 +38,7 @@ import contextlib
 import inspect
 import math
 import warnings
-from typing import Any, Callable, ContextManager, Dict, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -316,14 +316,11 @@ class MHAFrontEnd:
 
     def __init__(self) -> None:
         self._warned: Set[str] = set()
+        self.pending: List[str] = []  # fused kernels called directly, named at the next module boundary
 
     def handle(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any], emit: Emit) -> Any:
         if func in _FUSED:
-            self._warn_once(getattr(func, "__name__", repr(func)), (
-                f"probe: torch.{getattr(func, '__name__', func)} (a fused attention kernel) was called directly; "
-                "it runs unchanged and its attention is NOT measured. Call the nn.MultiheadAttention / "
-                "nn.TransformerEncoderLayer module instead."
-            ))
+            self.pending.append(getattr(func, "__name__", repr(func)))  # warned by drain, naming the site
             return func(*args, **kwargs)
         if len(args) > len(_KNOWN) or not _KNOWN.issuperset(kwargs):
             self._warn_once(f"signature:{sorted(kwargs)}", (
@@ -371,6 +368,19 @@ class MHAFrontEnd:
             return
         with context:
             emit(call)
+
+    def drain(self, emit: Emit, site: str) -> None:
+        """Warn once per site and kernel about fused kernels called directly (not measured)."""
+        kernels, self.pending = self.pending, []
+        for kernel in dict.fromkeys(kernels):
+            self._warn_once(f"{site}:{kernel}", (
+                f"probe: torch.{kernel} (a fused attention kernel) was called directly at site {site!r}; "
+                "it runs unchanged and its attention is NOT measured. Call the nn.MultiheadAttention / "
+                "nn.TransformerEncoderLayer module instead."
+            ))
+
+    def reset(self) -> None:
+        self.pending = []
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
