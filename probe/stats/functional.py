@@ -34,9 +34,11 @@ __all__ = [
     "chunk_rows",
     "combine_moments",
     "forward_stats",
+    "grad_logits_shifted",
     "iter_chunks",
     "logit_moments",
     "sample_rows",
+    "shiftable",
     "softmax_stats",
 ]
 
@@ -415,6 +417,69 @@ def _shifted_reduce(rows: List[Tensor], scales: Sequence[float], saturation: flo
     return moments, torch.stack(soft), nonfinite  # type: ignore[arg-type]
 
 
+# (B, H, rows, S) float32 buffers the backward's shifted path keeps alive: R, dP, e, a product,
+# masks and the next chunk's q rows; 8 leaves a margin (as probe.stats.grads).
+_BACKWARD_LIVE_BUFFERS = 8
+
+
+def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: Sequence[float],
+                         budget_bytes: int, acc: torch.dtype) -> List[Tensor]:
+    """Per-head ``Σ (∂L/∂Z^σ)²`` for positive float scales without bias or softcap (the common
+    case), one tensor per scale in ``values``.
+
+    As in the forward's shifted path (:mod:`probe.stats.functional`), ``D = R − rowmax`` is
+    formed once per chunk and ``e = exp(σD)`` once per scale; with ``c = Σ e·dP / Σe`` a row's
+    ``Σ_j (P_j (dP_j − c))² = ‖e ⊙ (dP − c)‖² / (Σe)²``. Chunks are cache-sized and reuse four
+    buffers (R, dP, e, one product); a causal chunk stops at its last query (later keys have
+    ``P = 0``, no gradient) and, without other masks, masks only its diagonal block.
+
+    Args:
+        call: the attention computation (no bias, no softcap).
+        dout: ``∂L/∂out`` as ``(B, H, L, dv)``.
+        vt: ``vᵀ`` in float32, ``(B, Hk, dv, S)``.
+        values: the distinct scales, all ``> 0`` (see :func:`shiftable`).
+        budget_bytes: extra memory one chunk may use.
+        acc: the accumulation dtype.
+
+    Pitfall: a fully masked row has ``Σe = 0`` and contributes 0; a NaN row stays NaN.
+    """
+    batch, heads, length, _ = call.q.shape
+    keys, kv_heads = call.k.shape[2], call.kv_heads
+    step = min(max(1, budget_bytes // max(1, batch * heads * keys * 4 * _BACKWARD_LIVE_BUFFERS)),
+               cache_chunk_rows(batch, heads, keys))
+    last = [min(length, r0 + step) - 1 for r0 in range(0, length, step)] if call.causal else None
+    block = call.causal and call.mask is None
+    upper = torch.ones(step, step, dtype=torch.bool, device=call.q.device).triu(1) if block else None
+    sums = [torch.zeros(heads, dtype=acc, device=call.q.device) for _ in values]
+    work = torch.empty(3 * batch * heads * min(step, length) * keys, device=call.q.device)
+    r0 = 0
+    for R, valid, _ in _iter(call, step, reuse=True, last=last, causal_mask=not block):
+        rows, cols = R.shape[2], R.shape[3]
+        n = R.numel()
+        dP, e, t = (work[i * n : (i + 1) * n].view(R.shape) for i in range(3))
+        dc, vc = dout[:, :, r0 : r0 + rows].float(), vt[..., :cols]
+        if kv_heads != heads:
+            g = heads // kv_heads
+            torch.matmul(dc.reshape(batch, kv_heads, g, rows, -1), vc.unsqueeze(2),
+                         out=dP.view(batch, kv_heads, g, rows, cols))
+        else:
+            torch.matmul(dc, vc, out=dP)
+        if upper is not None and cols > r0:
+            R[..., r0:].masked_fill_(upper[:rows, : cols - r0], -math.inf)
+        elif valid is not None:
+            R.masked_fill_(~valid, -math.inf)
+        rmax = R.amax(-1, keepdim=True)
+        D = R.sub_(torch.where(rmax == -math.inf, 0.0, rmax))
+        for i, sigma in enumerate(values):
+            torch.mul(D, sigma * _LOG2E, out=e).exp2_()
+            se = e.sum(-1)
+            c = torch.mul(e, dP, out=t).sum(-1, keepdim=True) / se.unsqueeze(-1)
+            g2 = torch.linalg.vector_norm(torch.sub(dP, c, out=t).mul_(e), dim=-1).square() / se.square()
+            sums[i] = sums[i] + torch.where(se == 0, 0.0, g2).sum((0, 2), dtype=acc)
+        r0 += rows
+    return sums
+
+
 def _valid_rows(call: AttentionCall, step: int) -> Tensor:
     """Per head, the number of query rows with at least two valid keys (mask and bias only)."""
     batch, heads, length, _ = call.q.shape
@@ -443,7 +508,7 @@ def _scaled_moments(moments: Tensor, scale: Scale, heads: int) -> Tuple[Tensor, 
     return torch.stack([n, s * mean, s * s * m2]), top
 
 
-def _shiftable(call: AttentionCall, values: Sequence[Scale]) -> bool:
+def shiftable(call: AttentionCall, values: Sequence[Scale]) -> bool:
     """Whether the shifted path applies: no bias, no softcap, finite positive float scales."""
     return call.bias is None and call.softcap is None and all(
         not isinstance(v, Tensor) and 0.0 < float(v) < 1e30 for v in values
@@ -502,7 +567,7 @@ def forward_stats(
     # Within the budget, also keep a chunk near the cache size (never below 16 rows).
     step = min(chunk_rows(batch, heads, keys, budget_bytes), cache_chunk_rows(batch, heads, keys))
 
-    shifted = _shiftable(call, values)
+    shifted = shiftable(call, values)
     floats = [float(v) for v in values] if shifted else []
     moments: Optional[Tensor] = None
     soft: Optional[Tensor] = None
