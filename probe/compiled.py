@@ -19,7 +19,9 @@ Where the stance can be set depends on who compiled what:
   the end of the root forward, no break inside the model) and the stance, which only applies
   when a compiled function is entered, is armed at the end of the step before each sampled step.
   The first sampled step seen this way ran compiled before probe could intervene: probe skips it
-  with a warning, and probes the following sampled steps.
+  with a warning, and probes the following sampled steps. A root compiled in place *before*
+  ``probe.watch`` (``model.compile(); probe.watch(model)``) is recognized at watch time and
+  probed from step 0.
 
 Pitfalls: ``fullgraph=True`` around the root hooks is an error (the hooks are a graph break):
 compile the model and watch the compiled module instead. On a sampled step the model runs at
@@ -137,6 +139,13 @@ class EagerSteps:
         if self._ctx is not None:
             ctx, self._ctx = self._ctx, None
             _restore(ctx)
+
+    def attach(self, model: nn.Module) -> None:
+        """At watch time: a root compiled in place (``model.compile()``) runs its hooks inside its
+        compiled ``_call_impl``, so they will be traced; arm for step 0 (always sampled) now."""
+        if getattr(model, "_compiled_call_impl", None) is not None:
+            self.hooks_traced = True
+            self.arm(True)
 
     def arm(self, next_sampled: bool) -> None:
         """Before the next root forward: eager if it is sampled and the root hooks are traced."""

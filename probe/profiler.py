@@ -169,6 +169,7 @@ class Probe:
         self._frontends = default_frontends()
         self._mode: Optional[CaptureMode] = None
         self._eager = EagerSteps()  # torch.compile: sampled steps run eagerly (probe.compiled)
+        self._eager.attach(model)
         self._emitted = 0  # attention calls seen, to detect a compiled graph that hides them
         self._emitted_before = 0
         self._warned_compiled: Set[str] = set()

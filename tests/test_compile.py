@@ -129,6 +129,20 @@ def test_root_compiled_after_watch_warns_then_probes_later_sampled_steps(how):
     assert p.summary().steps == 2
 
 
+def test_module_compiled_in_place_before_watch_is_probed_from_step_0():
+    batches = _batches(3)
+    reference = _eager_reference(batches[0::2])
+    model = _model()
+    model.compile(backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.watch(model, every=2) as p:
+            for x in batches:
+                model(x).square().sum().backward()
+    assert not [w for w in caught if str(w.message).startswith("probe:")]  # nothing skipped
+    _assert_equal(p.summary(), reference)
+
+
 def test_compiled_submodule_runs_eagerly_on_sampled_steps():
     batches = _batches(2)
     reference = _eager_reference(batches)
