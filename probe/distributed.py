@@ -33,17 +33,18 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, Hashable, List, Optional, Set, Tuple
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
 
 from probe.errors import ProbeError
-from probe.stats.accumulator import Layout, State, reduction
+from probe.stats.accumulator import State, reduction
 
 __all__ = ["Reducer", "combine_ranks", "pool_moments", "resolve_group"]
 
 Entry = Tuple[Hashable, str, Tuple[int, ...]]
+Layout = List[Tuple[Any, str, Tuple[int, ...]]]  # as probe.stats.accumulator.Layout, keys typed loosely
 
 
 
@@ -121,7 +122,7 @@ class Reducer:
         return _initialized()
 
     # -- layout ----------------------------------------------------------------------------------
-    def _unknown(self, states: Dict[Hashable, State]) -> List[Entry]:
+    def _unknown(self, states: Mapping[Any, State]) -> List[Entry]:
         """This rank's (site, field, shape) entries that the global layout lacks."""
         return [
             (key, field, tuple(value.shape))
@@ -130,7 +131,7 @@ class Reducer:
             if (key, field) not in self._index
         ]
 
-    def _agree(self, states: Dict[Hashable, State], infos: Dict[Hashable, Dict[str, Any]]) -> None:
+    def _agree(self, states: Mapping[Any, State], infos: Mapping[Any, Dict[str, Any]]) -> None:
         """Exchange the entries some rank lacks (one ``all_gather_object``) and extend the layout
         in rank order, so that every rank builds the same layout."""
         entries = self._unknown(states)
@@ -161,7 +162,7 @@ class Reducer:
         return {key[0] for key in self.keys if isinstance(key, tuple) and len(key) == 2 and key[1] > 0}
 
     # -- pack / gather ---------------------------------------------------------------------------
-    def _pack(self, states: Dict[Hashable, State], infos: Dict[Hashable, Dict[str, Any]], step: int) -> Tensor:
+    def _pack(self, states: Mapping[Any, State], infos: Mapping[Any, Dict[str, Any]], step: int) -> Tensor:
         """values (global layout, identity-filled) | presence per entry | calls per site | step, unknown."""
         # Pack where the state lives (the model's device) and move once: one transfer, not one per
         # field. Entries this rank lacks are slices of a cached identity tensor: no allocation.
@@ -195,8 +196,8 @@ class Reducer:
         return out.view(self.world, flat.numel())
 
     def reduce(
-        self, states: Dict[Hashable, State], infos: Dict[Hashable, Dict[str, Any]], step: int
-    ) -> Tuple[Tensor, Layout, Dict[Hashable, Dict[str, Any]]]:
+        self, states: Mapping[Any, State], infos: Mapping[Any, Dict[str, Any]], step: int
+    ) -> Tuple[Tensor, Layout, Dict[Any, Dict[str, Any]]]:
         """Reduce this rank's state with every other rank's (a collective; see the module doc).
 
         Args:
@@ -232,7 +233,7 @@ class Reducer:
             self._plan_cache = _Plan(self.entries)
         return self._plan_cache
 
-    def _combine(self, host: Tensor) -> Tuple[Tensor, Layout, Dict[Hashable, Dict[str, Any]]]:
+    def _combine(self, host: Tensor) -> Tuple[Tensor, Layout, Dict[Any, Dict[str, Any]]]:
         """Vectorized over the layout: one reduction per kind, not one per field (a model has
         hundreds of fields; per-field tensor ops would dominate the flush)."""
         plan = self._plan()
