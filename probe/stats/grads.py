@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall, Scale
-from probe.stats.functional import accumulation_dtype, chunk_rows, iter_chunks
+from probe.stats.functional import accumulation_dtype, chunk_rows, grad_logits_shifted, iter_chunks, shiftable
 
 __all__ = ["BACKWARD_METRICS", "grad_logits_chunk", "grad_logits_stats", "head_sq"]
 
@@ -198,6 +198,13 @@ def grad_logits_stats(
             continue
         key = id(value) if isinstance(value, Tensor) else float(value)
         groups.setdefault(key, []).append(name)
+
+    values = [scales[names[0]] for names in groups.values()]
+    if groups and not own_logits and grad_probs is None and shiftable(call, values):  # type: ignore[arg-type]
+        # the common case (no bias, no softcap, positive float scales): shared shifted logits,
+        # one exp2 per scale, cache-sized chunks (probe.stats.functional.grad_logits_shifted)
+        parts = grad_logits_shifted(call, dout, vt, [float(v) for v in values], budget_bytes, acc)  # type: ignore[arg-type]
+        return {f"grad_logits_sq@{name}": part for names, part in zip(groups.values(), parts) for name in names}
 
     # iter_chunks sizes its chunks for the forward's live buffers; ask it for the row count that
     # keeps the backward's larger set of buffers within the budget.
