@@ -74,6 +74,34 @@ def _restore(ctx: Any) -> None:
     torch._dynamo.disable(lambda: ctx.__exit__(None, None, None))()
 
 
+class _ForceEager:
+    """One ``force_eager`` stance shared by every probe in the process, reference counted.
+
+    Nested probes enter and leave in hook order, not in stack order (the outer probe's forward
+    hook runs first): restoring each probe's own saved stance would leave ``force_eager`` set
+    for good. The first holder sets it, the last one restores what was there before.
+    """
+
+    def __init__(self) -> None:
+        self._holders = 0
+        self._ctx: Optional[Any] = None
+
+    def acquire(self) -> bool:
+        if self._holders == 0:
+            self._ctx = _set_stance("force_eager")
+        self._holders += 1
+        return True
+
+    def release(self) -> None:
+        self._holders = max(0, self._holders - 1)
+        if self._holders == 0 and self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            _restore(ctx)
+
+
+_SHARED_STANCE = _ForceEager()
+
+
 def is_compiled(model: nn.Module) -> bool:
     """Whether ``model`` or a sub-module is compiled (``torch.compile``, ``Module.compile``) or
     scripted (TorchScript): the cases where a sampled step may run code probe cannot see."""
@@ -132,13 +160,13 @@ class EagerSteps:
     def enter(self) -> None:
         """Set ``force_eager`` (no-op when Dynamo is not loaded: nothing can be compiled)."""
         if self._ctx is None and _dynamo() is not None:
-            self._ctx = _set_stance("force_eager")
+            self._ctx = _SHARED_STANCE.acquire()
 
     def exit(self) -> None:
         """Restore the stance that was in effect before :meth:`enter`. Safe to call twice."""
         if self._ctx is not None:
-            ctx, self._ctx = self._ctx, None
-            _restore(ctx)
+            self._ctx = None
+            _SHARED_STANCE.release()
 
     def attach(self, model: nn.Module) -> None:
         """At watch time: a root compiled in place (``model.compile()``) runs its hooks inside its

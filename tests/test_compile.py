@@ -169,3 +169,15 @@ def test_torchscript_is_refused_or_reported():
         holder(x)
     p.close()
     assert p.summary().sites == []
+
+
+def test_nested_probes_restore_the_compiler_stance():
+    """Nested probes leave their forward hooks in registration order, not stack order: the
+    shared force_eager stance must still be restored to what it was."""
+    model = _model()
+    outer = probe.watch(model)
+    with probe.watch(model):
+        model(torch.randn(1, 4, 64))
+        assert torch._dynamo.eval_frame._stance.stance == "default"
+    outer.close()
+    assert torch._dynamo.eval_frame._stance.stance == "default"
