@@ -53,7 +53,9 @@ def head_sq(grad: Tensor) -> Tensor:
     Pitfall: a half-precision gradient squared in its own dtype overflows at 256; the norm's
     ``dtype=float32`` upcasts inside the reduction.
     """
-    norm = torch.linalg.vector_norm(grad, dim=(0, 2, 3), dtype=torch.float32)
+    # float64 gradients keep their precision (the norm refuses a narrowing dtype=).
+    dtype = grad.dtype if grad.dtype == torch.float64 else torch.float32
+    norm = torch.linalg.vector_norm(grad, dim=(0, 2, 3), dtype=dtype)
     return norm.to(accumulation_dtype(grad.device)).square()
 
 

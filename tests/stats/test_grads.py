@@ -282,6 +282,16 @@ def test_head_sq_matches_plain_sum_and_upcasts_half():
     torch.testing.assert_close(head_sq(big), torch.full((2,), 16 * 300.0**2, dtype=torch.float64))
 
 
+def test_float64_model_gets_grad_metrics():
+    """A float64 model's gradients are reduced in float64 (the norm refuses to narrow)."""
+    q, k, v = (t.detach().double().requires_grad_() for t in _leaves(h=4, hk=2, l=6))
+    w = torch.randn(2, 4, 6, 16, dtype=torch.float64)
+    s = _run_backward(q, k, v, w, is_causal=True, enable_gqa=True)
+    site = s.sites[0]
+    np.testing.assert_allclose(s.value(site, "grad_q"), _head_norms(q.grad), rtol=1e-6)
+    np.testing.assert_allclose(s.value(site, "grad_v"), _head_norms(v.grad), rtol=1e-6)
+
+
 def test_unscaled_gradient_vanishes_at_dk_256():
     """The seed's claim: without 1/sqrt(d_k) the softmax saturates and passes back almost nothing.
 
