@@ -1,18 +1,13 @@
-"""probe: see, and guard in CI, what the 1/sqrt(d_k) scaling in attention does to your model."""
+"""probe: see, and guard in CI, what the 1/sqrt(d_k) scaling in attention does to your model.
 
-from probe.call import AttentionCall
-from probe.compare import compare
-from probe.errors import ProbeError
-from probe.errors import StabilityError
-from probe.intervene import scaling
-from probe.profiler import Probe
-from probe.profiler import watch
-from probe.summary import Summary
-from probe.thresholds import Violation
-from probe.thresholds import assert_stable
-from probe.thresholds import check
+The public names below resolve on first use (PEP 562). The pytest plugin's entry point imports
+this package in every pytest session of an environment where probe is installed; resolving
+lazily keeps that import free of torch (about 1.7 s) until a test actually uses probe.
+"""
 
-from probe import variants  # submodule: probe.variants.headwise, probe.variants.scale_bias
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import List
 
 __version__ = "0.1.0"
 
@@ -28,5 +23,53 @@ __all__ = [
     "check",
     "compare",
     "scaling",
+    "variants",
     "watch",
 ]
+
+# public name -> the module that defines it ("variants" is a submodule)
+_WHERE = {
+    "AttentionCall": "probe.call",
+    "Probe": "probe.profiler",
+    "ProbeError": "probe.errors",
+    "StabilityError": "probe.errors",
+    "Summary": "probe.summary",
+    "Violation": "probe.thresholds",
+    "assert_stable": "probe.thresholds",
+    "check": "probe.thresholds",
+    "compare": "probe.comparison",
+    "scaling": "probe.intervene",
+    "variants": "probe.variants",
+    "watch": "probe.profiler",
+}
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'probe' has no attribute {name!r}")
+    module = importlib.import_module(where)
+    value = module if name == "variants" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from probe import variants
+    from probe.call import AttentionCall
+    from probe.comparison import compare
+    from probe.errors import ProbeError
+    from probe.errors import StabilityError
+    from probe.intervene import scaling
+    from probe.profiler import Probe
+    from probe.profiler import watch
+    from probe.summary import Summary
+    from probe.thresholds import Violation
+    from probe.thresholds import assert_stable
+    from probe.thresholds import check

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_cmd_demo)
     add_check_commands(sub)  # probe check, probe report
-    from probe.compare import add_commands as add_compare_commands
+    from probe.comparison import add_commands as add_compare_commands
 
     add_compare_commands(sub)  # probe compare
     return parser

@@ -17,9 +17,8 @@ closest to (or past) their limits across the session.
 
 Inert until used: the hooks below only add an option, register the marker and, at the end, print
 a section if the fixture ran; nothing is watched, read or written unless the fixture is called.
-Pitfall: loading this module runs ``probe/__init__.py``, which imports torch eagerly, so every
-pytest session in an environment with probe installed pays torch's import time once (disable with
-``-p no:probe``). The session summary is per process: under pytest-xdist each worker keeps its
+Loading this module imports neither torch nor the rest of probe (``probe/__init__.py`` resolves
+its names lazily); ``-p no:probe`` turns the plugin off entirely. The session summary is per process: under pytest-xdist each worker keeps its
 own and the controller prints none.
 """
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import probe
 from probe.cli import main
-from probe.compare import COLUMNS, compare
+from probe.comparison import COLUMNS, compare
 from tests.helpers import SDPAModel
 
 D = 64

@@ -263,3 +263,14 @@ def test_the_shipped_ci_example(pytester):
         "E *blocks.1  2     entropy@actual*> 0.05*",
         "FAILED test_attention_stability.py::test_a_collapsed_head_fails*",
     ])
+
+
+def test_loading_the_plugin_imports_no_torch():
+    """Every pytest session of an environment with probe installed loads the plugin: it must not
+    pay torch's import time unless a test uses probe."""
+    import subprocess
+    import sys
+
+    code = "import sys, probe, probe.pytest_plugin; assert 'torch' not in sys.modules, 'torch imported'"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
