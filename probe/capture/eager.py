@@ -518,6 +518,7 @@ class EagerFrontEnd:
         if call.scale is None or not isinstance(out, Tensor):
             emit(call)  # unknown scale: no counterfactual gradients either, so no need for v
             return
+        call.probs = out  # its gradient is dP itself: exact also under attention dropout
         pending = _Pending(call, node.merged, emit)
         self._pending.append(pending)
         self._set(out, pending)

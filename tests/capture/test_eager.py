@@ -354,7 +354,9 @@ def test_probabilities_never_multiplied_by_v_still_reported_without_v():
     for metric in METRICS:
         np.testing.assert_allclose(s.value("root", metric), ref[metric], rtol=2e-4, atol=1e-6, err_msg=metric)
     metrics = s.to_dict()["sites"]["root"]["metrics"]
-    assert "grad_q" in metrics and "grad_v" not in metrics and "grad_logits" not in metrics
+    # no v: no grad_v; grad_logits comes from the hook on the softmax output itself
+    assert "grad_q" in metrics and "grad_v" not in metrics and "grad_logits" in metrics
+    assert np.isfinite(s.value("root", "grad_logits")).all() and (s.value("root", "grad_logits") > 0).all()
 
 
 def test_bmm_without_heads_counts_each_batch_row_as_one_head():
