@@ -20,6 +20,7 @@ Usage::
 
     python benchmarks/overhead.py            # 30 rounds per sequence length
     python benchmarks/overhead.py --quick    # about 2 minutes on 2 CPU cores
+    python benchmarks/overhead.py --quick --seq 512 --threads 1   # steadier on a busy machine
 """
 
 from __future__ import annotations
@@ -233,7 +234,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--seq", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (1 is steadier on a machine shared with other jobs)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rounds = args.rounds or (7 if args.quick else 30)
     results = []
     for seq in args.seq:
