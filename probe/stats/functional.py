@@ -592,7 +592,8 @@ def forward_stats(
             if work is None:  # sized for the widest chunk (causal chunks grow)
                 work = torch.empty(2 * batch * heads * min(step, total) * keys, device=R.device)
             causal = None if upper is None else (index * step, upper)
-            row_parts.append(_shifted_rows(R, valid, floats, work, causal))
+            # one (K, B, H, l) tensor per chunk: thousands of small tensors cost heap at long L
+            row_parts.append(torch.stack(_shifted_rows(R, valid, floats, work, causal)))
             continue
         part, sums, bad = _general_chunk(R, valid, bias, values, call.softcap, saturation, acc)
         if moments is None:
@@ -603,8 +604,9 @@ def forward_stats(
             soft = soft + sums
         nonfinite = nonfinite + bad
     if row_parts:
-        rows_all = [torch.cat(parts, dim=-1) if len(row_parts) > 1 else parts[0] for parts in zip(*row_parts)]
-        moments, soft, nonfinite = _shifted_reduce(rows_all, floats, saturation, acc)
+        rows_all = torch.cat(row_parts, dim=-1) if len(row_parts) > 1 else row_parts[0]
+        row_parts.clear()
+        moments, soft, nonfinite = _shifted_reduce(list(rows_all.unbind(0)), floats, saturation, acc)
     if moments is None or soft is None:  # no query rows: nothing to report
         return {}
     row_count = soft[0, 0]
