@@ -8,7 +8,6 @@ is copying a random sequence (``a1 .. an SEP a1 .. an``), which needs attention 
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass

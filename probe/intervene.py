@@ -33,14 +33,14 @@ import fnmatch
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from probe.capture.mode import in_front_end, site_names
+from probe.capture.mode import SitesFilter, in_front_end, site_filter, site_names
 from probe.errors import ProbeError
 
 __all__ = [
@@ -60,7 +60,6 @@ __all__ = [
 
 #: What ``probe.scaling`` accepts for one site: a name, a float, or a 1-D tensor (one per head).
 ScaleSpec = Union[str, float, int, Tensor]
-SitesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 
 _NAMES = ("actual", "unscaled", "standard")
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -191,19 +190,6 @@ def _parse_spec(value: Any, what: str) -> Union[None, str, float, Tensor]:
     raise ProbeError(f"expected `{what}` to be {expected}, got {type(value).__name__}")
 
 
-def _predicate(sites: SitesFilter) -> Optional[Callable[[str], bool]]:
-    if sites is None:
-        return None
-    if isinstance(sites, str):
-        return lambda name: fnmatch.fnmatchcase(name, sites)
-    if isinstance(sites, (list, tuple, set, frozenset)) and all(isinstance(s, str) for s in sites):
-        patterns = list(sites)
-        return lambda name: any(fnmatch.fnmatchcase(name, p) for p in patterns)
-    if callable(sites):
-        return sites
-    raise ProbeError(f"expected `sites` to be a glob, a list of names/globs or a predicate, got {sites!r}")
-
-
 class Scaling:
     """Context manager: attention of ``model`` runs at another scale; see :func:`scaling`."""
 
@@ -225,7 +211,7 @@ class Scaling:
             self._site_ok: Optional[Callable[[str], bool]] = None
         else:
             self._default = _parse_spec(scale, "scale")
-            self._site_ok = _predicate(sites)
+            self._site_ok = site_filter(sites)
         self._is_dict = isinstance(scale, Mapping)
         self._sites_arg = sites
         self._stack = SiteStack(model)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import copy
-import fnmatch
 import math
 import os
 import threading
@@ -17,7 +16,7 @@ from torch import Tensor, nn
 
 from probe.call import AttentionCall, Scale
 from probe.capture.grads import GradHooks
-from probe.capture.mode import CaptureMode, ModuleStack, default_frontends
+from probe.capture.mode import CaptureMode, ModuleStack, SitesFilter, default_frontends, site_filter
 from probe.compiled import EagerSteps, check_model, is_compiled, outside_graph
 from probe.distributed import resolve_group
 from probe.errors import ProbeError
@@ -32,7 +31,6 @@ __all__ = ["BUILTIN_SCALES", "Probe", "watch"]
 #: Scales every metric is reported at (DESIGN.md "Scales").
 BUILTIN_SCALES = ("actual", "unscaled", "standard")
 
-SitesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 ExtraScale = Union[float, Callable[[int], float]]
 SiteKey = Tuple[str, int]  # (module name, call index within one invocation)
 
@@ -64,19 +62,6 @@ def _check_scales(scales: Optional[Mapping[str, ExtraScale]]) -> Dict[str, Extra
         else:
             raise ProbeError(f"expected `scales[{name!r}]` to be a finite float or a callable(d_k), got {value!r}")
     return out
-
-
-def _site_predicate(sites: SitesFilter) -> Optional[Callable[[str], bool]]:
-    if sites is None:
-        return None
-    if isinstance(sites, str):
-        return lambda name: fnmatch.fnmatchcase(name, sites)
-    if isinstance(sites, (list, tuple, set, frozenset)) and all(isinstance(s, str) for s in sites):
-        patterns = list(sites)
-        return lambda name: any(fnmatch.fnmatchcase(name, p) for p in patterns)
-    if callable(sites):
-        return sites
-    raise ProbeError(f"expected `sites` to be a glob, a list of names/globs or a predicate, got {sites!r}")
 
 
 class Probe:
@@ -146,7 +131,7 @@ class Probe:
         self.grads = bool(grads)
         self.per_head = bool(per_head)
         self._sites_filter = sites
-        self._site_ok = _site_predicate(sites)
+        self._site_ok = site_filter(sites)
         for sink in sinks:
             if not isinstance(sink, Sink):
                 raise ProbeError(f"expected every sink to have write/flush/close, got {type(sink).__name__}")

@@ -42,12 +42,12 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from probe.capture.mode import SitesFilter, site_filter
 from probe.errors import ProbeError
 from probe.intervene import (
     InterventionMode,
     ModuleOverride,
     SiteStack,
-    _predicate,
     modules_by_site,
     push_module_override,
     reset_module_override,
@@ -60,7 +60,6 @@ SCALE_PARAM = "probe_scale"
 BIAS_PARAM = "probe_bias"
 
 Example = Union[Tensor, Sequence[Any], Dict[str, Any]]
-SitesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 
 
 class _Discover(TorchFunctionMode):
@@ -212,7 +211,7 @@ def _install(kind: str, model: nn.Module, example: Example, sites: SitesFilter,
              make: Callable[[Dict[str, Any]], Dict[str, nn.Parameter]]) -> Variant:
     if not isinstance(model, nn.Module):
         raise ProbeError(f"expected `model` to be a torch.nn.Module, got {type(model).__name__}")
-    keep = _predicate(sites)
+    keep = site_filter(sites)
     found = _run_example(model, example)
     chosen = {name: e for name, e in found.items() if keep is None or keep(name)}
     if not chosen:

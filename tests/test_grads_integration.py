@@ -187,7 +187,7 @@ def test_tensorboard_gets_grad_scalars_per_scale(tmp_path):
     model = SDPAModel(layers=1, kv_heads=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a failing sink would warn
-        with probe.watch(model, logdir=tmp_path) as p:
+        with probe.watch(model, logdir=tmp_path):
             for _ in range(2):
                 model(torch.randn(1, 4, 64)).sum().backward()
     acc = EventAccumulator(str(tmp_path))

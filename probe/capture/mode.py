@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from probe.call import AttentionCall
 
-__all__ = ["CaptureMode", "FrontEnd", "ModuleStack", "WRAPPER_ATTRS", "site_names"]
+__all__ = ["CaptureMode", "FrontEnd", "ModuleStack", "SitesFilter", "WRAPPER_ATTRS", "site_filter", "site_names"]
 
 #: True while a front end handles an intercepted call. Interventions (``probe.intervene``) are then
 #: the front end's to apply or not: an intervention mode never rewrites the calls a front end makes
@@ -33,6 +33,32 @@ def in_front_end() -> bool:
 
 
 FrontEnd = Any  # an object with ``funcs`` (a tuple of callables) and ``handle(func, args, kwargs, emit)``
+
+
+#: Which sites to keep: a glob, a list of names or globs, or a predicate on the site name.
+SitesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
+
+
+def site_filter(sites: SitesFilter) -> Optional[Callable[[str], bool]]:
+    """A predicate on site names from a ``sites=`` argument (``None`` keeps every site).
+
+    Raises:
+        ProbeError: for anything but a glob, a list of names/globs or a callable.
+    """
+    import fnmatch
+
+    from probe.errors import ProbeError
+
+    if sites is None:
+        return None
+    if isinstance(sites, str):
+        return lambda name: fnmatch.fnmatchcase(name, sites)
+    if isinstance(sites, (list, tuple, set, frozenset)) and all(isinstance(s, str) for s in sites):
+        patterns = list(sites)
+        return lambda name: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    if callable(sites):
+        return sites
+    raise ProbeError(f"expected `sites` to be a glob, a list of names/globs or a predicate, got {sites!r}")
 
 
 class ModuleStack:

@@ -47,7 +47,6 @@ def _full_valid(b, h, l, s, mask=None, bias=None, causal=False):
 
 def _check(p_summary, q, k, valid, bias=None, scales=None, rtol=2e-4, atol=2e-5):
     site = p_summary.sites[0]
-    d = q.shape[-1]
     scales = scales or {}
     for name, sigma in scales.items():
         ref = reference_metrics(q, k, sigma, valid, bias)
