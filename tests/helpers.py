@@ -36,6 +36,17 @@ class SDPAAttention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, n, -1))
 
 
+class OneCall(nn.Module):
+    """Issues exactly one SDPA call with fixed tensors and keyword arguments."""
+
+    def __init__(self, q, k, v, **kwargs) -> None:
+        super().__init__()
+        self.args, self.kwargs = (q, k, v), kwargs
+
+    def forward(self) -> torch.Tensor:
+        return F.scaled_dot_product_attention(*self.args, **self.kwargs)
+
+
 class SDPAModel(nn.Module):
     def __init__(self, layers: int = 2, d_model: int = 64, heads: int = 4, **kw) -> None:
         super().__init__()

@@ -7,24 +7,11 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import probe
 from probe.call import AttentionCall
 from probe.stats.functional import forward_stats
-from tests.helpers import reference_metrics
-
-
-class OneCall(nn.Module):
-    """Issues exactly one SDPA call with fixed tensors and keyword arguments."""
-
-    def __init__(self, q, k, v, **kwargs):
-        super().__init__()
-        self.args, self.kwargs = (q, k, v), kwargs
-
-    def forward(self):
-        return F.scaled_dot_product_attention(*self.args, **self.kwargs)
+from tests.helpers import OneCall, reference_metrics
 
 
 def _inputs(b=2, h=4, hk=None, l=7, s=None, d=16, dtype=torch.float32):

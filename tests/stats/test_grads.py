@@ -15,23 +15,11 @@ from typing import Dict
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import probe
+from tests.helpers import OneCall
 from probe.call import AttentionCall
 from probe.stats.grads import grad_logits_chunk, grad_logits_stats, head_sq
-
-
-class OneCall(nn.Module):
-    """Issues exactly one SDPA call on fixed (leaf) tensors."""
-
-    def __init__(self, q, k, v, **kwargs):
-        super().__init__()
-        self.args, self.kwargs = (q, k, v), kwargs
-
-    def forward(self):
-        return F.scaled_dot_product_attention(*self.args, **self.kwargs)
 
 
 def _leaves(b=2, h=4, hk=None, l=7, s=None, d=16):
