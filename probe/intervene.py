@@ -3,7 +3,8 @@
 An intervention changes what attention computes: :func:`scaling` overrides the scale for a
 ``with`` block, :mod:`probe.variants` installs learnable per-head scales and biases. Both are
 *registered* here (context variables), and one function, :func:`sdpa_change`, turns an
-``F.scaled_dot_product_attention`` call into the call to run instead. Two things consult it:
+``F.scaled_dot_product_attention`` call into the call to run instead (:func:`mha_change` does the
+same for ``F.multi_head_attention_forward`` under ``probe.scaling``). Two things consult it:
 
 - probe's SDPA front end (:mod:`probe.capture.sdpa`), while a probe captures a sampled step, so
   the recorded :class:`~probe.call.AttentionCall` carries the overridden scale as ``actual``;
@@ -46,6 +47,7 @@ from probe.errors import ProbeError
 __all__ = [
     "InterventionMode",
     "ModuleOverride",
+    "MHAChange",
     "SDPAChange",
     "Scaling",
     "ScaleSpec",
@@ -54,6 +56,7 @@ __all__ = [
     "modules_by_site",
     "push_module_override",
     "reset_module_override",
+    "mha_change",
     "scaling",
     "sdpa_change",
 ]
@@ -63,6 +66,7 @@ ScaleSpec = Union[str, float, int, Tensor]
 
 _NAMES = ("actual", "unscaled", "standard")
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_MHA_PARAMS = ("query", "key", "value", "embed_dim_to_check", "num_heads")  # the leading ones we read
 
 _SCALINGS: contextvars.ContextVar[Tuple["Scaling", ...]] = contextvars.ContextVar("probe_scalings", default=())
 _MODULES: contextvars.ContextVar[Tuple["ModuleOverride", ...]] = contextvars.ContextVar("probe_module_overrides", default=())
@@ -315,8 +319,9 @@ def scaling(model: nn.Module, scale: Union[ScaleSpec, Mapping[str, ScaleSpec]], 
     Pitfalls: a per-head scale is applied by multiplying q per head (SDPA takes one float), so
     it matches a per-head SDPA call to rounding, not bitwise. A model whose own scale is applied
     outside the attention call (q pre-multiplied) is scaled again on top. Overrides reach SDPA
-    calls (and the eager / ``nn.MultiheadAttention`` front ends once they consult
-    :func:`sdpa_change`-style hooks); calls outside the model's forward are untouched.
+    calls and ``nn.MultiheadAttention`` calls (:func:`mha_change`; they run as probe's mirror of
+    ``F.multi_head_attention_forward``), not eager attention yet; calls outside the model's
+    forward are untouched.
 
     Example:
         >>> with probe.scaling(model, "unscaled", sites="*.self"):
@@ -434,8 +439,62 @@ def sdpa_change(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[SDPAC
     return SDPAChange((), run, (), record)
 
 
+@dataclass
+class MHAChange:
+    """The verdict on one ``F.multi_head_attention_forward`` call under ``probe.scaling``.
+
+    ``scale`` is the scale to run at (a float or a per-head tensor), ``None`` to run the call at
+    its own scale. :meth:`run` runs the call with the "applied" flag set, so the SDPA call inside
+    it is never rewritten again.
+    """
+
+    scale: Union[None, float, Tensor]
+
+    def run(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+            emit: Optional[Callable[[Any], None]] = None) -> Any:
+        """``func(*args, **kwargs)`` at :attr:`scale`: probe's mirror
+        (:func:`probe.capture.mha.mha_forward`) when the scale changes or ``emit`` records."""
+        from probe.capture.mha import mha_forward, mirrors
+
+        token = _APPLYING.set(True)
+        try:
+            if (self.scale is None and emit is None) or not mirrors(args, kwargs):
+                return func(*args, **kwargs)
+            return mha_forward(*args, **kwargs, emit=emit, scale_override=self.scale)
+        finally:
+            _APPLYING.reset(token)
+
+
+def mha_change(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[MHAChange]:
+    """The scale one ``F.multi_head_attention_forward`` call runs at under ``probe.scaling``.
+
+    ``None`` when no scaling context is active (or the call is already applied); otherwise an
+    :class:`MHAChange`, whose ``scale`` is ``None`` when no context matches the site. Consult it
+    exactly once per call (contexts count calls to name sites), and run the call through
+    :meth:`MHAChange.run`. Variants (module overrides) do not reach ``nn.MultiheadAttention``.
+    """
+    if _APPLYING.get():
+        return None
+    scalings = _SCALINGS.get()
+    if not scalings:
+        return None
+    bound = dict(zip(_MHA_PARAMS, args))
+    bound.update(kwargs)
+    q, embed_dim, heads = bound.get("query"), bound.get("embed_dim_to_check"), bound.get("num_heads")
+    if not isinstance(q, Tensor) or not isinstance(embed_dim, int) or not isinstance(heads, int) or heads <= 0:
+        return None
+    d_k = embed_dim // heads
+    new_scale: Union[None, float, Tensor] = None
+    for ctx in reversed(scalings):  # every context counts this call; the innermost match wins
+        _, _, value = ctx.resolve(heads, d_k, q)
+        if new_scale is None and value is not None:
+            new_scale = value
+    return MHAChange(new_scale)
+
+
 class InterventionMode(TorchFunctionMode):
-    """Applies :func:`sdpa_change` to SDPA calls no capturing front end will handle.
+    """Applies :func:`sdpa_change` to SDPA calls, and :func:`mha_change` to
+    ``F.multi_head_attention_forward`` calls, that no capturing front end will handle.
 
     Passes a call through untouched when it is already applied (a front end runs it under the
     flag), when a capture front end issues it internally (its recorded scale must stay true), or
@@ -444,13 +503,20 @@ class InterventionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if (func is not torch.nn.functional.scaled_dot_product_attention or _APPLYING.get()
-                or in_front_end() or _capture_below(func)):
+        if (func not in _REWRITTEN or _APPLYING.get() or in_front_end() or _capture_below(func)):
             return func(*args, **kwargs)
+        if func is torch.nn.functional.multi_head_attention_forward:
+            verdict = mha_change(args, kwargs)
+            if verdict is None:
+                return func(*args, **kwargs)
+            return verdict.run(func, args, kwargs)  # flagged even when unchanged: consulted once
         change = sdpa_change(args, kwargs)
         if change is None:
             return func(*args, **kwargs)
         return change.run(func)
+
+
+_REWRITTEN = (torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.multi_head_attention_forward)
 
 
 def _capture_below(func: Callable[..., Any]) -> bool:

@@ -241,10 +241,10 @@ class MHAModel(nn.Module):
 
 
 @pytest.mark.parametrize("need_weights", [False, True])
-def test_calls_a_front_end_makes_internally_are_not_overridden(need_weights):
-    """nn.MultiheadAttention is not reached by the override yet; with a probe attached its front
-    end's internal SDPA call must not be rewritten either (probe would record one scale and run
-    another, and attaching a probe would change the outputs)."""
+def test_calls_a_front_end_makes_internally_are_not_overridden_again(need_weights):
+    """nn.MultiheadAttention runs at the override once: the SDPA call its front end makes inside
+    the mirror is not rewritten a second time (probe would record one scale and run another, and
+    attaching a probe would change the outputs). More in tests/test_scaling_mha.py."""
     model = MHAModel(need_weights).eval()
     x = torch.randn(2, 5, 32)
     before = model(x)
@@ -252,5 +252,6 @@ def test_calls_a_front_end_makes_internally_are_not_overridden(need_weights):
         alone = model(x)
     with probe.watch(model) as p, probe.scaling(model, "unscaled"):
         probed = model(x)
-    assert torch.equal(alone, before) and torch.equal(probed, before)
-    assert p.summary().info("mha")["scale"] == pytest.approx(8**-0.5)
+    assert torch.equal(probed, alone) and not torch.allclose(alone, before)
+    assert torch.equal(model(x), before)
+    assert p.summary().info("mha")["scale"] == 1.0

@@ -38,15 +38,16 @@ import contextlib
 import inspect
 import math
 import warnings
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from probe.call import AttentionCall
+from probe.intervene import mha_change
 
-__all__ = ["MHAFrontEnd", "mha_forward", "nested_self_attention_call"]
+__all__ = ["MHAFrontEnd", "mha_forward", "mirrors", "nested_self_attention_call"]
 
 Emit = Callable[[AttentionCall], None]
 
@@ -84,12 +85,16 @@ def mha_forward(
     is_causal: bool = False,
     *,
     emit: Optional[Emit] = None,
+    scale_override: Union[None, float, Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """``F.multi_head_attention_forward`` with the same operations, emitting its attention.
 
     Same arguments and results as PyTorch's function (see its documentation); ``emit`` receives
     one :class:`AttentionCall` of kind ``"mha"`` whose logits are
     ``scale * q @ k.T + bias`` with ``q``, ``k``, ``v`` the tensors of the autograd graph.
+    ``scale_override`` (``probe.scaling``) replaces the scale: a float, or a ``(H,)`` tensor on
+    ``q``'s device and dtype (one per head, applied by multiplying ``q`` per head); the call is
+    recorded with it.
 
     Pitfall: keep this in step with ``torch.nn.functional.multi_head_attention_forward``;
     ``tests/capture/test_mha.py`` checks bitwise agreement on every path.
@@ -208,12 +213,17 @@ def mha_forward(
 
     if need_weights:
         _, _, head_e = q.shape
-        scale = math.sqrt(1.0 / float(head_e))
+        scale: Any = math.sqrt(1.0 / float(head_e))
+        if scale_override is not None:
+            scale = scale_override if isinstance(scale_override, Tensor) else float(scale_override)
         # The recorded (B, H, N, E) views are the tensors the computation continues from (views
         # do not change values), so gradient hooks on them see the real gradients.
         q4, k4, v4 = (_heads_view(t, bsz, num_heads) for t in (q, k, v))
         q, k, v = (t.flatten(0, 1) for t in (q4, k4, v4))
-        q_scaled = q * scale
+        if isinstance(scale, Tensor):
+            q_scaled = (q4 * scale.reshape(-1, 1, 1)).flatten(0, 1)  # per head of (B, H, L, E)
+        else:
+            q_scaled = q * scale
         if is_causal and attn_mask is None:
             raise AssertionError("FIXME: is_causal not implemented for need_weights")
         if attn_mask is not None:
@@ -229,7 +239,8 @@ def mha_forward(
             bias = None
             if attn_mask is not None:
                 bias = attn_mask.unsqueeze(0) if attn_mask.size(0) == 1 else _heads_view(attn_mask, bsz, num_heads)
-            emit(AttentionCall(q=q4, k=k4, v=v4, scale=scale, bias=bias, output=out4, kind="mha"))
+            recorded = scale.detach() if isinstance(scale, Tensor) else scale
+            emit(AttentionCall(q=q4, k=k4, v=v4, scale=recorded, bias=bias, output=out4, kind="mha"))
         attn_output = out4.flatten(0, 1).transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
         attn_output = F.linear(attn_output, out_proj_weight, out_proj_bias)
         attn_output = attn_output.view(tgt_len, bsz, attn_output.size(1))
@@ -249,10 +260,21 @@ def mha_forward(
     q = q.view(bsz, num_heads, tgt_len, head_dim)
     k = k.view(bsz, num_heads, src_len, head_dim)
     v = v.view(bsz, num_heads, src_len, head_dim)
-    attn_output = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
+    own_scale = 1.0 / math.sqrt(head_dim)
+    recorded: Any = own_scale
+    if scale_override is None:
+        attn_output = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
+    elif isinstance(scale_override, Tensor):
+        # SDPA takes one float: scale q per head by s_h / s_own and keep SDPA's own scale.
+        q_run = q * (scale_override.reshape(-1, 1, 1) / own_scale)
+        attn_output = F.scaled_dot_product_attention(q_run, k, v, attn_mask, dropout_p, is_causal)
+        recorded = scale_override.detach()
+    else:
+        recorded = float(scale_override)
+        attn_output = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=recorded)
     if emit is not None:
         emit(AttentionCall(
-            q=q, k=k, v=v, scale=1.0 / math.sqrt(head_dim), bias=attn_mask, causal=bool(is_causal),
+            q=q, k=k, v=v, scale=recorded, bias=attn_mask, causal=bool(is_causal),
             output=attn_output, kind="mha",
         ))
     attn_output = attn_output.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
@@ -294,7 +316,12 @@ def _nested(t: Any) -> bool:
 
 
 _SIGNATURE = inspect.signature(mha_forward)
-_KNOWN = frozenset(name for name in _SIGNATURE.parameters if name != "emit")
+_KNOWN = frozenset(name for name in _SIGNATURE.parameters if name not in ("emit", "scale_override"))
+
+
+def mirrors(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    """Whether :func:`mha_forward` understands this call's arguments (else PyTorch's own runs)."""
+    return len(args) <= len(_KNOWN) and _KNOWN.issuperset(kwargs)
 
 
 def _fused_funcs() -> Tuple[Callable[..., Any], ...]:
@@ -313,6 +340,7 @@ class MHAFrontEnd:
     """
 
     funcs: Tuple[Callable[..., Any], ...] = (F.multi_head_attention_forward,) + _FUSED
+    applies_overrides = True  # probe.scaling: see probe.intervene.mha_change
 
     def __init__(self) -> None:
         self._warned: Set[str] = set()
@@ -322,12 +350,16 @@ class MHAFrontEnd:
         if func in _FUSED:
             self.pending.append(getattr(func, "__name__", repr(func)))  # warned by drain, naming the site
             return func(*args, **kwargs)
-        if len(args) > len(_KNOWN) or not _KNOWN.issuperset(kwargs):
+        change = mha_change(args, kwargs) if func is F.multi_head_attention_forward else None
+        if not mirrors(args, kwargs):
             self._warn_once(f"signature:{sorted(kwargs)}", (
                 "probe: F.multi_head_attention_forward was called with arguments this version of probe "
-                f"does not know ({sorted(set(kwargs) - _KNOWN)}); it runs unchanged and is NOT measured."
+                f"does not know ({sorted(set(kwargs) - _KNOWN)}); it runs unchanged (probe.scaling "
+                "does not reach it) and is NOT measured."
             ))
             return func(*args, **kwargs)
+        if change is not None:
+            return change.run(func, args, kwargs, emit)
         return mha_forward(*args, **kwargs, emit=emit)
 
     def runs_fused(self, module: nn.Module, args: Tuple[Any, ...]) -> bool:
