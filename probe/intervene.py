@@ -4,7 +4,8 @@ An intervention changes what attention computes: :func:`scaling` overrides the s
 ``with`` block, :mod:`probe.variants` installs learnable per-head scales and biases. Both are
 *registered* here (context variables), and one function, :func:`sdpa_change`, turns an
 ``F.scaled_dot_product_attention`` call into the call to run instead (:func:`mha_change` does the
-same for ``F.multi_head_attention_forward`` under ``probe.scaling``). Two things consult it:
+same for ``F.multi_head_attention_forward`` under ``probe.scaling``, :func:`eager_scale` gives
+the scale of an eager softmax over ``q·kᵀ``). Two things consult it:
 
 - probe's SDPA front end (:mod:`probe.capture.sdpa`), while a probe captures a sampled step, so
   the recorded :class:`~probe.call.AttentionCall` carries the overridden scale as ``actual``;
@@ -57,6 +58,7 @@ __all__ = [
     "push_module_override",
     "reset_module_override",
     "mha_change",
+    "eager_scale",
     "scaling",
     "sdpa_change",
 ]
@@ -224,6 +226,7 @@ class Scaling:
         self._on_device: Dict[Tuple[torch.device, torch.dtype], Tensor] = {}
         self._seen: Set[str] = set()
         self._matched: Set[str] = set()
+        self._left: Set[str] = set()  # eager sites left unchanged (soft cap, unknown scale): warned once
 
     # called by sdpa_change, once per attention call of the model while active
     def resolve(self, heads: int, d_k: int, like: Tensor) -> Tuple[bool, Optional[str], Union[None, float, Tensor]]:
@@ -320,8 +323,11 @@ def scaling(model: nn.Module, scale: Union[ScaleSpec, Mapping[str, ScaleSpec]], 
     it matches a per-head SDPA call to rounding, not bitwise. A model whose own scale is applied
     outside the attention call (q pre-multiplied) is scaled again on top. Overrides reach SDPA
     calls and ``nn.MultiheadAttention`` calls (:func:`mha_change`; they run as probe's mirror of
-    ``F.multi_head_attention_forward``), not eager attention yet; calls outside the model's
-    forward are untouched.
+    ``F.multi_head_attention_forward``) and eager attention (a softmax over ``q·kᵀ`` that
+    probe's eager front end recognises, :func:`eager_scale`: the softmax input ``Z`` runs as
+    ``Z + (s' - s)·q·kᵀ``, with ``q`` before any pre-scaling, which counts in ``s``); an eager
+    site with a soft cap or an op probe cannot describe runs unchanged, with one warning naming
+    it. Calls outside the model's forward are untouched.
 
     Example:
         >>> with probe.scaling(model, "unscaled", sites="*.self"):
@@ -492,6 +498,56 @@ def mha_change(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[MHACha
     return MHAChange(new_scale)
 
 
+def eager_scale(heads: int, d_k: int, like: Tensor, describable: bool) -> Tuple[bool, Union[None, float, Tensor]]:
+    """(consulted?, scale) for one eager softmax over ``s · q·kᵀ (+ bias/mask)`` under ``probe.scaling``.
+
+    ``consulted`` is False when no scaling context is active or the call is already applied;
+    otherwise the caller runs the softmax with the "applied" flag set (consulted once). The scale
+    is ``None`` when no context matches the site, or when the site is not ``describable`` (a soft
+    cap, an op the eager front end cannot describe): it is then left unchanged, with one warning
+    naming the site. Consult it exactly once per softmax (contexts count calls to name sites).
+    """
+    if _APPLYING.get():
+        return False, None
+    scalings = _SCALINGS.get()
+    if not scalings:
+        return False, None
+    new_scale: Union[None, float, Tensor] = None
+    owner: Optional[Tuple[Scaling, Optional[str]]] = None
+    for ctx in reversed(scalings):  # every context counts this call; the innermost match wins
+        _, name, value = ctx.resolve(heads, d_k, like)
+        if new_scale is None and value is not None:
+            new_scale, owner = value, (ctx, name)
+    if new_scale is not None and not describable and owner is not None:
+        ctx, name = owner
+        if str(name) not in ctx._left:
+            ctx._left.add(str(name))
+            warnings.warn(
+                f"probe.scaling: eager attention at site {name!r} has a soft cap or an op probe cannot "
+                "describe between q·kᵀ and the softmax; it runs at its own scale (NOT rewritten)",
+                UserWarning,
+                stacklevel=4,
+            )
+        new_scale = None
+    return True, new_scale
+
+
+def _eager_funcs() -> Tuple[Any, Any]:
+    global _EAGER
+    if _EAGER is None:
+        from probe.capture.eager import EagerFrontEnd
+
+        _EAGER = (EagerFrontEnd, frozenset(EagerFrontEnd().funcs))
+    return _EAGER
+
+
+_EAGER: Optional[Tuple[Any, Any]] = None
+
+
+def _ignore(call: Any) -> None:
+    return None
+
+
 class InterventionMode(TorchFunctionMode):
     """Applies :func:`sdpa_change` to SDPA calls, and :func:`mha_change` to
     ``F.multi_head_attention_forward`` calls, that no capturing front end will handle.
@@ -501,9 +557,32 @@ class InterventionMode(TorchFunctionMode):
     when a capture mode below this one consults the registry itself.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._eager: Any = None  # an EagerFrontEnd tracking provenance (no capturing probe)
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._eager is not None:
+                self._eager.reset()
+                self._eager = None
+
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if (func not in _REWRITTEN or _APPLYING.get() or in_front_end() or _capture_below(func)):
+        if func not in _REWRITTEN:
+            cls, funcs = _eager_funcs()
+            if (func not in funcs or not _SCALINGS.get() or _APPLYING.get() or in_front_end()
+                    or _capture_below(func)):
+                return func(*args, **kwargs)
+            if self._eager is None:
+                self._eager = cls()
+            out = self._eager.handle(func, args, kwargs, _ignore)
+            if self._eager._pending:
+                self._eager._pending = []  # no v needed: nothing is recorded
+            return out
+        if _APPLYING.get() or in_front_end() or _capture_below(func):
             return func(*args, **kwargs)
         if func is torch.nn.functional.multi_head_attention_forward:
             verdict = mha_change(args, kwargs)

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from probe.call import AttentionCall
+from probe.intervene import _APPLYING, eager_scale
 
 __all__ = ["EagerFrontEnd"]
 
@@ -123,6 +124,8 @@ def _number(x: Any) -> bool:
 class EagerFrontEnd:
     """Recovers q, k, scale, bias, mask and softcap from the ops leading into a softmax."""
 
+    applies_overrides = True  # probe.scaling: the softmax runs at the overridden scale (_rewrite)
+
     def __init__(self) -> None:
         self._table: Dict[int, Tuple[weakref.ref, Any]] = {}
         self._pending: List[_Pending] = []
@@ -154,6 +157,20 @@ class EagerFrontEnd:
         self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
         emit: Callable[[AttentionCall], None],
     ) -> Any:
+        if self._handlers[func] == self._on_softmax:
+            rewrite = self._rewrite(args, kwargs)
+            if rewrite is not None:  # probe.scaling consulted: run flagged (never applied twice)
+                run_args, run_kwargs, node = rewrite
+                token = _APPLYING.set(True)
+                try:
+                    out = func(*run_args, **run_kwargs)
+                finally:
+                    _APPLYING.reset(token)
+                try:
+                    self._on_softmax(func, args, kwargs, out, emit, node)
+                except Exception as err:  # noqa: BLE001 - bookkeeping must never break the model
+                    self._warn(err)
+                return out
         out = func(*args, **kwargs)
         try:
             self._handlers[func](func, args, kwargs, out, emit)
@@ -505,9 +522,53 @@ class EagerFrontEnd:
         return dataclasses.replace(node, ndim=4)
 
     # -- the softmax -------------------------------------------------------------------------------
-    def _on_softmax(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
+    def _rewrite(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any], Optional[_Scores]]]:
+        """``probe.scaling`` on a softmax over recognised scores: ``None`` when not consulted;
+        else (args, kwargs, record) to run and record, the softmax input ``Z`` replaced by
+        ``Z + (s' - s)·q·kᵀ`` (q unscaled: a pre-scaling is part of ``s``) when the scale changes."""
         x = args[0] if args else kwargs.get("input")
         node = self._get(x)
+        if not isinstance(node, _Scores) or not isinstance(x, Tensor):
+            return None
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if not isinstance(dim, int) or dim not in (-1, x.dim() - 1):
+            return None
+        heads = node.q.shape[1]
+        describable = not (node.unknown or node.tanh or node.softcap is not None)
+        consulted, new = eager_scale(heads, node.q.shape[-1], x, describable)
+        if not consulted:
+            return None
+        if new is None:
+            return args, kwargs, None
+        k = node.k
+        if k.shape[1] != heads:
+            k = k.repeat_interleave(heads // k.shape[1], dim=1)
+        raw = torch.matmul(node.q, k.transpose(-1, -2))  # (B, H, L, S)
+        old: Any = node.scale if node.scale_t is None else node.scale_t * node.scale
+        if isinstance(new, Tensor) or isinstance(old, Tensor):
+            delta = (torch.as_tensor(new, device=raw.device, dtype=torch.float32)
+                     - torch.as_tensor(old, device=raw.device, dtype=torch.float32))
+            delta = delta.reshape(-1, 1, 1) if delta.numel() > 1 else delta.reshape(())
+            change = raw * delta.to(raw.dtype)
+        else:
+            change = raw * (float(new) - float(old))
+        if x.dim() == 3:
+            change = change.reshape(-1, *change.shape[-2:])
+        z = x + change.to(x.dtype)
+        if args:
+            run_args, run_kwargs = (z, *args[1:]), kwargs
+        else:
+            run_args, run_kwargs = args, {**kwargs, "input": z}
+        if isinstance(new, Tensor):
+            record = dataclasses.replace(node, scale=1.0, scale_t=new.detach())
+        else:
+            record = dataclasses.replace(node, scale=float(new), scale_t=None)
+        return run_args, run_kwargs, record
+
+    def _on_softmax(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any,
+                    record: Optional[_Scores] = None) -> None:
+        x = args[0] if args else kwargs.get("input")
+        node = record if record is not None else self._get(x)
         if not isinstance(node, _Scores) or not isinstance(x, Tensor):
             return  # not over q·kᵀ: an output layer, a router, ...
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
