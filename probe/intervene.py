@@ -549,8 +549,9 @@ def _ignore(call: Any) -> None:
 
 
 class InterventionMode(TorchFunctionMode):
-    """Applies :func:`sdpa_change` to SDPA calls, and :func:`mha_change` to
-    ``F.multi_head_attention_forward`` calls, that no capturing front end will handle.
+    """Applies :func:`sdpa_change` to SDPA calls, :func:`mha_change` to
+    ``F.multi_head_attention_forward`` calls and :func:`eager_scale` to eager softmax attention
+    (through its own provenance-tracking ``EagerFrontEnd``) that no capturing front end will handle.
 
     Passes a call through untouched when it is already applied (a front end runs it under the
     flag), when a capture front end issues it internally (its recorded scale must stay true), or
