@@ -78,6 +78,18 @@ def tiny_llama(attn: str = "sdpa"):
     return LlamaForCausalLM(config).eval()
 
 
+# -- model bookkeeping ----------------------------------------------------------------------
+def module_state(model: nn.Module):
+    """Every module's attribute names and a copy of its state_dict: to prove nothing changed."""
+    return [(name, sorted(vars(m)), {k: v.clone() for k, v in m.state_dict().items()})
+            for name, m in model.named_modules()]
+
+
+def hook_count(model: nn.Module) -> int:
+    """Forward, forward-pre and backward hooks registered on the model's modules."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
 # -- the float64 reference, written plainly --------------------------------------------------
 def reference_metrics(
     q: torch.Tensor, k: torch.Tensor, scale: float, valid: torch.Tensor,

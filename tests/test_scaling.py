@@ -12,7 +12,7 @@ from torch import nn
 
 import probe
 from probe.capture.mode import is_mode_active
-from tests.helpers import SDPAModel, tiny_llama
+from tests.helpers import SDPAModel, hook_count, module_state, tiny_llama
 
 D, H = 64, 4  # d_k = 16
 
@@ -43,15 +43,6 @@ def _run(model, x, mask):
     return model(x, mask) if mask is not None else model(x)
 
 
-def _module_state(model: nn.Module):
-    return [(name, sorted(vars(m)), {k: v.clone() for k, v in m.state_dict(keep_vars=False).items()})
-            for name, m in model.named_modules()]
-
-
-def _hooks(model):
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
-
-
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("spec,value", [("unscaled", 1.0), (0.1, 0.1), ("standard", 16**-0.5)])
 def test_outputs_equal_sdpa_at_that_scale_exactly_and_restored_after(case, spec, value):
@@ -60,15 +51,15 @@ def test_outputs_equal_sdpa_at_that_scale_exactly_and_restored_after(case, spec,
     x = torch.randn(2, 6, D)
     mask = _mask(2, 6) if masked else None
     before = _run(model, x, mask)
-    state = _module_state(model)
+    state = module_state(model)
     with probe.scaling(model, spec) as ctx:
         inside = _run(model, x, mask)
         assert is_mode_active(ctx._mode)
     assert torch.equal(inside, _run(twin, x, mask))
     assert not torch.equal(inside, before)
     assert torch.equal(_run(model, x, mask), before)
-    assert not is_mode_active(ctx._mode) and _hooks(model) == 0
-    after = _module_state(model)
+    assert not is_mode_active(ctx._mode) and hook_count(model) == 0
+    after = module_state(model)
     for (n1, attrs1, sd1), (n2, attrs2, sd2) in zip(state, after):
         assert n1 == n2 and attrs1 == attrs2 and sd1.keys() == sd2.keys()
         assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)

@@ -14,7 +14,7 @@ from torch import nn
 
 import probe
 from probe.capture.mode import is_mode_active
-from tests.helpers import tiny_bert, tiny_llama
+from tests.helpers import hook_count, module_state, tiny_bert, tiny_llama
 
 E, H, D = 32, 4, 8
 OWN = 1.0 / math.sqrt(D)
@@ -88,15 +88,6 @@ def _inputs():
     return x, mask
 
 
-def _state(model):
-    return [(name, sorted(vars(m)), {k: v.clone() for k, v in m.state_dict().items()})
-            for name, m in model.named_modules()]
-
-
-def _hooks(model):
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
-
-
 SPECS = {
     "unscaled": ("unscaled", 1.0),
     "float": (0.3, 0.3),
@@ -114,7 +105,7 @@ def test_outputs_equal_float64_at_that_scale_with_and_without_probe(style, name,
     model = Two(style).eval()
     x, mask = _inputs()
     before = model(x, mask)
-    state = _state(model)
+    state = module_state(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         if attached:
@@ -137,8 +128,8 @@ def test_outputs_equal_float64_at_that_scale_with_and_without_probe(style, name,
             else:
                 assert got == pytest.approx(value, rel=1e-7)
     assert torch.equal(model(x, mask), before)  # exactly the original after exit
-    assert _hooks(model) == 0 and not is_mode_active(ctx._mode)
-    for (n1, a1, sd1), (n2, a2, sd2) in zip(state, _state(model)):
+    assert hook_count(model) == 0 and not is_mode_active(ctx._mode)
+    for (n1, a1, sd1), (n2, a2, sd2) in zip(state, module_state(model)):
         assert n1 == n2 and a1 == a2 and sd1.keys() == sd2.keys()
         assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import probe
+from tests.helpers import hook_count, module_state
 from probe.capture.mode import is_mode_active
 
 E, H = 32, 4  # d_k = 8
@@ -65,15 +66,6 @@ def _inputs():
     return x, pad
 
 
-def _state(model):
-    return [(name, sorted(vars(m)), {k: v.clone() for k, v in m.state_dict().items()})
-            for name, m in model.named_modules()]
-
-
-def _hooks(model):
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
-
-
 SPECS = {
     "unscaled": ("unscaled", 1.0),
     "float": (0.1, 0.1),
@@ -91,7 +83,7 @@ def test_outputs_equal_float64_mha_at_that_scale_and_restored_after(need_weights
     model = Stack(need_weights).eval()
     x, pad = _inputs()
     before = model(x, pad)
-    state = _state(model)
+    state = module_state(model)
     with probe.scaling(model, spec) as ctx:
         inside = model(x, pad)
         assert is_mode_active(ctx._mode)
@@ -102,8 +94,8 @@ def test_outputs_equal_float64_mha_at_that_scale_and_restored_after(need_weights
     if name != "standard":
         assert not torch.allclose(inside, before)
     assert torch.equal(model(x, pad), before)  # exactly the original after exit
-    assert _hooks(model) == 0 and not is_mode_active(ctx._mode)
-    for (n1, a1, sd1), (n2, a2, sd2) in zip(state, _state(model)):
+    assert hook_count(model) == 0 and not is_mode_active(ctx._mode)
+    for (n1, a1, sd1), (n2, a2, sd2) in zip(state, module_state(model)):
         assert n1 == n2 and a1 == a2 and sd1.keys() == sd2.keys()
         assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import probe
 from probe import variants
-from tests.helpers import SDPAModel, tiny_llama
+from tests.helpers import SDPAModel, hook_count, tiny_llama
 
 D = 64  # 4 heads, d_k = 16
 
@@ -44,10 +44,6 @@ def _out_and_grads(model, x, mask=None):
     out = model(x, mask)
     out.square().mean().backward()
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if not n.endswith(("probe_scale", "probe_bias"))}
-
-
-def _hooks(model):
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
 @pytest.mark.parametrize("case,masked", COMBOS)
@@ -89,7 +85,7 @@ def test_install_then_remove_leaves_state_dict_and_outputs_as_before(kind):
     keys = list(model.state_dict())
     with torch.no_grad():
         before = model(x)
-    hooks = _hooks(model)
+    hooks = hook_count(model)
     handle = _install(kind, model, x)
     assert handle.sites == ["layers.0", "layers.1"]
     new = [k for k in model.state_dict() if k not in keys]
@@ -102,7 +98,7 @@ def test_install_then_remove_leaves_state_dict_and_outputs_as_before(kind):
         assert not torch.equal(model(x), before)
     handle.remove()
     handle.remove()  # twice is harmless
-    assert list(model.state_dict()) == keys and _hooks(model) == hooks
+    assert list(model.state_dict()) == keys and hook_count(model) == hooks
     assert not hasattr(model.layers[0], "probe_scale")
     with torch.no_grad():
         assert torch.equal(model(x), before)
@@ -239,7 +235,7 @@ def test_bad_input_raises_probe_error():
         model(torch.randn(1, 9, D))
     assert not probe.intervene.active()  # nothing left registered after the error
     handle.remove()
-    assert _hooks(model) == 0
+    assert hook_count(model) == 0
 
 
 def test_no_host_sync_on_meta_tensors():
