@@ -1,31 +1,21 @@
-"""Scale interventions: :func:`probe.scaling` and the one hook point front ends consult.
+"""Scale interventions: :func:`probe.scaling`, and the mode that applies overrides.
 
 An intervention changes what attention computes: :func:`scaling` overrides the scale for a
-``with`` block, :mod:`probe.variants` installs learnable per-head scales and biases. Both are
-*registered* here (context variables), and one function, :func:`sdpa_change`, turns an
-``F.scaled_dot_product_attention`` call into the call to run instead (:func:`mha_change` does the
-same for ``F.multi_head_attention_forward`` under ``probe.scaling``, :func:`eager_scale` gives
-the scale of an eager softmax over ``q·kᵀ``). Two things consult it:
+``with`` block, :mod:`probe.variants` installs learnable per-head scales and biases. Both only
+*register* an override in :mod:`probe.overrides` (a :class:`Scaling` is a scale rule) and make
+sure a capture front end applies it: the front ends look overrides up and apply them in their
+own files (``probe/capture/sdpa.py``, ``mha.py``, ``eager.py``).
 
-- probe's SDPA front end (:mod:`probe.capture.sdpa`), while a probe captures a sampled step, so
-  the recorded :class:`~probe.call.AttentionCall` carries the overridden scale as ``actual``;
-- :class:`InterventionMode`, a TorchFunctionMode that applies the change when no capturing front
-  end will (no probe attached, or an unsampled step).
-
-The ordering pitfall this design avoids: probe's capture mode is entered at each sampled root
-forward, so it is the innermost TorchFunctionMode and sees an SDPA call *before* a mode entered
-earlier (``with probe.scaling(...)`` around the forward). Were the override applied by that
-outer mode, probe would already have recorded the original scale. So the capturing front end
-applies the override itself and runs the changed call with a flag set; any intervention mode
-that sees the call afterwards passes it through (never applied twice). An intervention mode
-that sees a call *first* (a variant's, entered in the attention module's own pre-hook) passes
-it on untouched when a capture mode below it will consult the registry (see
-:meth:`probe.capture.mode.CaptureMode.consults_overrides`).
-
-Per-head scales: SDPA takes one float ``scale``, so a per-head scale ``s_h`` is applied by
-scaling ``q`` per head, ``q * (s_h / s_ref)``, and calling SDPA with ``scale=s_ref``, where
-``s_ref`` is the call's own scale. The factor is then exactly 1.0 when ``s_h == s_ref``
-(bitwise-identical outputs); otherwise results match a per-head SDPA call to rounding.
+Who applies it: on a probe's sampled step, the probe's own capture mode (its front ends record
+the overridden scale as ``actual``); otherwise an :class:`InterventionMode`, a capture mode that
+records nothing, entered by the ``with`` block (or by a variant module's pre-hook). The
+ordering pitfall this design avoids: probe's capture mode is entered at each sampled root
+forward, so it is the innermost TorchFunctionMode and sees an attention call *before* a mode
+entered earlier (``with probe.scaling(...)`` around the forward); the capturing front end
+applies the override itself and runs the changed call flagged (:func:`probe.overrides.applying`),
+so the outer mode passes it through. An intervention mode that sees a call *first* (a variant's,
+entered in the attention module's own pre-hook) leaves it to a recording capture mode below it
+(see :meth:`probe.capture.mode.CaptureMode.consults_overrides`). See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -34,22 +24,19 @@ import contextvars
 import fnmatch
 import math
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from probe.capture.mode import SitesFilter, in_front_end, site_filter, site_names
+from probe.capture.mode import CaptureMode, SitesFilter, default_frontends, site_filter, site_names
 from probe.errors import ProbeError
+from probe.overrides import ModuleOverride, active, push_module_override, push_rule, reset_module_override, reset_rule
 
 __all__ = [
     "InterventionMode",
     "ModuleOverride",
-    "MHAChange",
-    "SDPAChange",
     "Scaling",
     "ScaleSpec",
     "SiteStack",
@@ -57,51 +44,13 @@ __all__ = [
     "modules_by_site",
     "push_module_override",
     "reset_module_override",
-    "mha_change",
-    "eager_scale",
     "scaling",
-    "sdpa_change",
 ]
 
 #: What ``probe.scaling`` accepts for one site: a name, a float, or a 1-D tensor (one per head).
 ScaleSpec = Union[str, float, int, Tensor]
 
 _NAMES = ("actual", "unscaled", "standard")
-_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-_MHA_PARAMS = ("query", "key", "value", "embed_dim_to_check", "num_heads")  # the leading ones we read
-
-_SCALINGS: contextvars.ContextVar[Tuple["Scaling", ...]] = contextvars.ContextVar("probe_scalings", default=())
-_MODULES: contextvars.ContextVar[Tuple["ModuleOverride", ...]] = contextvars.ContextVar("probe_module_overrides", default=())
-_APPLYING: contextvars.ContextVar[bool] = contextvars.ContextVar("probe_applying", default=False)
-
-
-# -- the registry ------------------------------------------------------------------------------
-@dataclass
-class ModuleOverride:
-    """A change bound to one module, active while that module's forward runs (a variant).
-
-    Attributes:
-        module: the attention module the parameters are registered on.
-        site: its qualified name (for error messages).
-        scale: learnable per-head scales ``(H,)``, or ``None`` to keep the call's own scale.
-        bias: learnable additive bias ``(H, max_len)`` over key positions, or ``None``.
-        reference: ``s_ref``, the scale SDPA is called with when ``scale`` is per head.
-    """
-
-    module: nn.Module
-    site: str
-    scale: Optional[Tensor]
-    bias: Optional[Tensor]
-    reference: float
-
-
-def push_module_override(override: ModuleOverride) -> contextvars.Token:
-    """Make ``override`` the innermost module override; undo with :func:`reset_module_override`."""
-    return _MODULES.set(_MODULES.get() + (override,))
-
-
-def reset_module_override(token: contextvars.Token) -> None:
-    _MODULES.reset(token)
 
 
 def modules_by_site(root: nn.Module) -> Dict[str, nn.Module]:
@@ -112,11 +61,6 @@ def modules_by_site(root: nn.Module) -> Dict[str, nn.Module]:
     for module_id, name in site_names(root).items():
         out.setdefault(name, by_id[module_id])
     return out
-
-
-def active() -> bool:
-    """Whether any intervention (a scaling context or a running variant module) is registered."""
-    return bool(_SCALINGS.get()) or bool(_MODULES.get())
 
 
 class SiteStack:
@@ -228,14 +172,15 @@ class Scaling:
         self._matched: Set[str] = set()
         self._left: Set[str] = set()  # eager sites left unchanged (soft cap, unknown scale): warned once
 
-    # called by sdpa_change, once per attention call of the model while active
-    def resolve(self, heads: int, d_k: int, like: Tensor) -> Tuple[bool, Optional[str], Union[None, float, Tensor]]:
-        """(this model's call?, site, scale) for the next attention call; scale ``None``: unchanged.
+    # the ScaleRule of probe.overrides: called by lookup, once per attention call while active
+    def resolve(self, heads: int, d_k: int, like: Tensor) -> Tuple[Optional[str], Union[None, float, Tensor]]:
+        """(site, scale) for the next attention call; site ``None``: not this model's call;
+        scale ``None``: unchanged.
 
         A per-head tensor comes back on ``like``'s device and dtype (copied once per device).
         """
         if not self._stack.root_running:
-            return False, None, None
+            return None, None
         name, index = self._stack.next_site()
         names = (name, f"{name}#{index + 1}")
         self._seen.add(name)
@@ -245,16 +190,16 @@ class Scaling:
             if match is None:
                 match = next((r for r in self._rules if any(fnmatch.fnmatchcase(n, r[0]) for n in names)), None)
             if match is None:
-                return True, name, None
+                return name, None
             self._matched.add(match[0])
             spec = match[1]
         else:
             if self._site_ok is not None and not any(self._site_ok(n) for n in names):
-                return True, name, None
+                return name, None
             self._matched.add("*")
             spec = self._default
         if spec == "standard":
-            return True, name, 1.0 / math.sqrt(d_k)  # SDPA's own default expression
+            return name, 1.0 / math.sqrt(d_k)  # SDPA's own default expression
         if isinstance(spec, Tensor) and spec.numel() != heads:
             raise ProbeError(
                 f"expected `scale` to hold one value per head of site {name!r} ({heads}), got {spec.numel()}"
@@ -263,13 +208,23 @@ class Scaling:
             key = (like.device, like.dtype)
             if key not in self._on_device:
                 self._on_device[key] = spec.to(device=like.device, dtype=like.dtype)
-            return True, name, self._on_device[key]
-        return True, name, None if isinstance(spec, str) else spec
+            return name, self._on_device[key]
+        return name, None if isinstance(spec, str) else spec
+
+    def left_unchanged(self, site: str) -> None:
+        if site not in self._left:
+            self._left.add(site)
+            warnings.warn(
+                f"probe.scaling: eager attention at site {site!r} has a soft cap or an op probe cannot "
+                "describe between q·kᵀ and the softmax; it runs at its own scale (NOT rewritten)",
+                UserWarning,
+                stacklevel=5,
+            )
 
     def __enter__(self) -> "Scaling":
         self._stack.activate()
         self._stack.root_running = 0
-        self._token = _SCALINGS.set(_SCALINGS.get() + (self,))
+        self._token = push_rule(self)
         self._mode = InterventionMode()
         self._mode.__enter__()
         return self
@@ -281,7 +236,7 @@ class Scaling:
                 mode.__exit__(None, None, None)
         finally:
             if self._token is not None:
-                _SCALINGS.reset(self._token)
+                reset_rule(self._token)
                 self._token = None
             self._stack.deactivate()
         if exc[0] is None:
@@ -322,9 +277,9 @@ def scaling(model: nn.Module, scale: Union[ScaleSpec, Mapping[str, ScaleSpec]], 
     Pitfalls: a per-head scale is applied by multiplying q per head (SDPA takes one float), so
     it matches a per-head SDPA call to rounding, not bitwise. A model whose own scale is applied
     outside the attention call (q pre-multiplied) is scaled again on top. Overrides reach SDPA
-    calls and ``nn.MultiheadAttention`` calls (:func:`mha_change`; they run as probe's mirror of
+    calls and ``nn.MultiheadAttention`` calls (:func:`probe.capture.mha.lookup_mha`; they run as probe's mirror of
     ``F.multi_head_attention_forward``) and eager attention (a softmax over ``q·kᵀ`` that
-    probe's eager front end recognises, :func:`eager_scale`: the softmax input ``Z`` runs as
+    probe's eager front end recognises, :func:`probe.capture.eager_scores.rescaled`: the softmax input ``Z`` runs as
     ``Z + (s' - s)·q·kᵀ``, with ``q`` before any pre-scaling, which counts in ``s``); an eager
     site with a soft cap or an op probe cannot describe runs unchanged, with one warning naming
     it. Calls outside the model's forward are untouched.
@@ -340,268 +295,12 @@ def scaling(model: nn.Module, scale: Union[ScaleSpec, Mapping[str, ScaleSpec]], 
     return Scaling(model, scale, sites)
 
 
-# -- the hook point ------------------------------------------------------------------------------
-@dataclass
-class SDPAChange:
-    """An SDPA call rewritten by the active interventions.
-
-    ``args`` / ``kwargs`` are what runs; ``record_args`` / ``record_kwargs`` describe the call as
-    probe should record it: the original ``q`` and the effective ``scale`` (a float or a
-    per-head tensor), with the combined mask.
-    """
-
-    args: Tuple[Any, ...]
-    kwargs: Dict[str, Any]
-    record_args: Tuple[Any, ...]
-    record_kwargs: Dict[str, Any]
-
-    def run(self, func: Callable[..., Any]) -> Any:
-        """Call ``func`` on the rewritten arguments; modes below see it as already applied."""
-        token = _APPLYING.set(True)
-        try:
-            return func(*self.args, **self.kwargs)
-        finally:
-            _APPLYING.reset(token)
-
-
-def _per_head(value: Tensor, like: Tensor) -> Tensor:
-    # (H,) -> broadcastable to q's (..., H, L, E) and to logits (..., H, L, S).
-    return value.to(device=like.device, dtype=like.dtype).reshape(-1, 1, 1)
-
-
-def _fold_masks(mask: Any, bias: Tensor, causal: bool, q: Tensor, k: Tensor) -> Tensor:
-    """One float mask: the model's mask (bool or additive), causal, plus the variant's bias."""
-    if causal:
-        # SDPA forbids attn_mask with is_causal: fold top-left causal (tril) into the float mask.
-        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        mask = keep if mask is None else mask
-    if mask is None:
-        return bias
-    if mask.dtype == torch.bool:
-        return torch.where(mask, bias, float("-inf"))  # a Python scalar: no host-to-device copy
-    return mask + bias
-
-
-def sdpa_change(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[SDPAChange]:
-    """The rewrite of one SDPA call under the active interventions; ``None`` when none applies.
-
-    Consult it exactly once per call: scaling contexts count calls to name sites. Precedence: a
-    ``probe.scaling`` scale (innermost context that matches the site) replaces a variant's
-    learnable scale; a variant's bias is kept under it.
-    """
-    if _APPLYING.get():
-        return None
-    scalings, modules = _SCALINGS.get(), _MODULES.get()
-    if not scalings and not modules:
-        return None
-    bound = dict(zip(_SDPA_PARAMS, args))
-    bound.update(kwargs)
-    q, k = bound.get("query"), bound.get("key")
-    if not isinstance(q, Tensor) or not isinstance(k, Tensor) or q.dim() < 3:
-        return None
-    heads = q.shape[-3] if q.dim() >= 4 else 1
-    d_k = q.shape[-1]
-    own = bound.get("scale")
-    own_scale = 1.0 / math.sqrt(d_k) if own is None else float(own)
-
-    new_scale: Union[None, float, Tensor] = None
-    for ctx in reversed(scalings):  # every context counts this call; the innermost match wins
-        _, _, value = ctx.resolve(heads, d_k, q)
-        if new_scale is None and value is not None:
-            new_scale = value
-    variant = modules[-1] if modules else None
-    bias = None
-    if variant is not None:
-        for t, what in ((variant.scale, "scale"), (variant.bias, "bias")):
-            if t is not None and t.shape[0] != heads:
-                raise ProbeError(f"variant `{what}` of site {variant.site!r} has {t.shape[0]} heads, "
-                                 f"the attention call has {heads}")
-        if new_scale is None and variant.scale is not None:
-            new_scale = variant.scale
-        if variant.bias is not None:
-            keys = k.shape[-2]
-            if keys > variant.bias.shape[1]:
-                raise ProbeError(f"expected at most `max_len`={variant.bias.shape[1]} key positions at site "
-                                 f"{variant.site!r}, got {keys}")
-            bias = variant.bias[:, :keys].to(q.dtype).contiguous()[None, :, None, :]  # (1, H, 1, S); a strided mask takes another kernel path
-    if new_scale is None and bias is None:
-        return None
-
-    run = dict(bound)
-    record = dict(bound)
-    if isinstance(new_scale, Tensor):
-        reference = variant.reference if (variant is not None and new_scale is variant.scale) else own_scale
-        reference = reference if reference != 0 else 1.0
-        run["query"] = q * (_per_head(new_scale, q) / reference)
-        if reference != own_scale:  # else keep the call's own `scale` (None stays None: same kernel path)
-            run["scale"] = reference
-        record["scale"] = new_scale.detach()
-    elif new_scale is not None:
-        run["scale"] = record["scale"] = float(new_scale)
-    if bias is not None:
-        mask = _fold_masks(bound.get("attn_mask"), bias, bool(bound.get("is_causal", False)), q, k)
-        run["attn_mask"], run["is_causal"] = mask, False
-        record["attn_mask"], record["is_causal"] = mask.detach(), False
-    return SDPAChange((), run, (), record)
-
-
-@dataclass
-class MHAChange:
-    """The verdict on one ``F.multi_head_attention_forward`` call under ``probe.scaling``.
-
-    ``scale`` is the scale to run at (a float or a per-head tensor), ``None`` to run the call at
-    its own scale. :meth:`run` runs the call with the "applied" flag set, so the SDPA call inside
-    it is never rewritten again.
-    """
-
-    scale: Union[None, float, Tensor]
-
-    def run(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
-            emit: Optional[Callable[[Any], None]] = None) -> Any:
-        """``func(*args, **kwargs)`` at :attr:`scale`: probe's mirror
-        (:func:`probe.capture.mha.mha_forward`) when the scale changes or ``emit`` records."""
-        from probe.capture.mha import mha_forward, mirrors
-
-        token = _APPLYING.set(True)
-        try:
-            if (self.scale is None and emit is None) or not mirrors(args, kwargs):
-                return func(*args, **kwargs)
-            return mha_forward(*args, **kwargs, emit=emit, scale_override=self.scale)
-        finally:
-            _APPLYING.reset(token)
-
-
-def mha_change(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[MHAChange]:
-    """The scale one ``F.multi_head_attention_forward`` call runs at under ``probe.scaling``.
-
-    ``None`` when no scaling context is active (or the call is already applied); otherwise an
-    :class:`MHAChange`, whose ``scale`` is ``None`` when no context matches the site. Consult it
-    exactly once per call (contexts count calls to name sites), and run the call through
-    :meth:`MHAChange.run`. Variants (module overrides) do not reach ``nn.MultiheadAttention``.
-    """
-    if _APPLYING.get():
-        return None
-    scalings = _SCALINGS.get()
-    if not scalings:
-        return None
-    bound = dict(zip(_MHA_PARAMS, args))
-    bound.update(kwargs)
-    q, embed_dim, heads = bound.get("query"), bound.get("embed_dim_to_check"), bound.get("num_heads")
-    if not isinstance(q, Tensor) or not isinstance(embed_dim, int) or not isinstance(heads, int) or heads <= 0:
-        return None
-    d_k = embed_dim // heads
-    new_scale: Union[None, float, Tensor] = None
-    for ctx in reversed(scalings):  # every context counts this call; the innermost match wins
-        _, _, value = ctx.resolve(heads, d_k, q)
-        if new_scale is None and value is not None:
-            new_scale = value
-    return MHAChange(new_scale)
-
-
-def eager_scale(heads: int, d_k: int, like: Tensor, describable: bool) -> Tuple[bool, Union[None, float, Tensor]]:
-    """(consulted?, scale) for one eager softmax over ``s · q·kᵀ (+ bias/mask)`` under ``probe.scaling``.
-
-    ``consulted`` is False when no scaling context is active or the call is already applied;
-    otherwise the caller runs the softmax with the "applied" flag set (consulted once). The scale
-    is ``None`` when no context matches the site, or when the site is not ``describable`` (a soft
-    cap, an op the eager front end cannot describe): it is then left unchanged, with one warning
-    naming the site. Consult it exactly once per softmax (contexts count calls to name sites).
-    """
-    if _APPLYING.get():
-        return False, None
-    scalings = _SCALINGS.get()
-    if not scalings:
-        return False, None
-    new_scale: Union[None, float, Tensor] = None
-    owner: Optional[Tuple[Scaling, Optional[str]]] = None
-    for ctx in reversed(scalings):  # every context counts this call; the innermost match wins
-        _, name, value = ctx.resolve(heads, d_k, like)
-        if new_scale is None and value is not None:
-            new_scale, owner = value, (ctx, name)
-    if new_scale is not None and not describable and owner is not None:
-        ctx, name = owner
-        if str(name) not in ctx._left:
-            ctx._left.add(str(name))
-            warnings.warn(
-                f"probe.scaling: eager attention at site {name!r} has a soft cap or an op probe cannot "
-                "describe between q·kᵀ and the softmax; it runs at its own scale (NOT rewritten)",
-                UserWarning,
-                stacklevel=4,
-            )
-        new_scale = None
-    return True, new_scale
-
-
-def _eager_funcs() -> Tuple[Any, Any]:
-    global _EAGER
-    if _EAGER is None:
-        from probe.capture.eager import EagerFrontEnd
-
-        _EAGER = (EagerFrontEnd, frozenset(EagerFrontEnd().funcs))
-    return _EAGER
-
-
-_EAGER: Optional[Tuple[Any, Any]] = None
-
-
-def _ignore(call: Any) -> None:
-    return None
-
-
-class InterventionMode(TorchFunctionMode):
-    """Applies :func:`sdpa_change` to SDPA calls, :func:`mha_change` to
-    ``F.multi_head_attention_forward`` calls and :func:`eager_scale` to eager softmax attention
-    (through its own provenance-tracking ``EagerFrontEnd``) that no capturing front end will handle.
-
-    Passes a call through untouched when it is already applied (a front end runs it under the
-    flag), when a capture front end issues it internally (its recorded scale must stay true), or
-    when a capture mode below this one consults the registry itself.
+# -- applying overrides --------------------------------------------------------------------------
+class InterventionMode(CaptureMode):
+    """A capture mode that records nothing: its front ends (those that apply overrides) apply
+    the registered overrides to the calls no recording capture mode handles (no probe attached,
+    or an unsampled step). See :class:`~probe.capture.mode.CaptureMode` for when it steps aside.
     """
 
     def __init__(self) -> None:
-        super().__init__()
-        self._eager: Any = None  # an EagerFrontEnd tracking provenance (no capturing probe)
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            super().__exit__(*exc)
-        finally:
-            if self._eager is not None:
-                self._eager.reset()
-                self._eager = None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
-        if func not in _REWRITTEN:
-            cls, funcs = _eager_funcs()
-            if (func not in funcs or not _SCALINGS.get() or _APPLYING.get() or in_front_end()
-                    or _capture_below(func)):
-                return func(*args, **kwargs)
-            if self._eager is None:
-                self._eager = cls()
-            out = self._eager.handle(func, args, kwargs, _ignore)
-            if self._eager._pending:
-                self._eager._pending = []  # no v needed: nothing is recorded
-            return out
-        if _APPLYING.get() or in_front_end() or _capture_below(func):
-            return func(*args, **kwargs)
-        if func is torch.nn.functional.multi_head_attention_forward:
-            verdict = mha_change(args, kwargs)
-            if verdict is None:
-                return func(*args, **kwargs)
-            return verdict.run(func, args, kwargs)  # flagged even when unchanged: consulted once
-        change = sdpa_change(args, kwargs)
-        if change is None:
-            return func(*args, **kwargs)
-        return change.run(func)
-
-
-_REWRITTEN = (torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.multi_head_attention_forward)
-
-
-def _capture_below(func: Callable[..., Any]) -> bool:
-    # Inside __torch_function__ this mode is popped: the stack holds only the modes below it.
-    from torch.overrides import _get_current_function_mode_stack
-
-    return any(getattr(m, "consults_overrides", None) is not None and m.consults_overrides(func)
-               for m in _get_current_function_mode_stack())
+        super().__init__([f for f in default_frontends() if getattr(f, "applies_overrides", False)], None)

@@ -19,7 +19,7 @@ Mechanics: SDPA takes one float scale, so ``s_h`` is applied as ``q * (s_h / s_r
 ``scale=s_ref`` (``s_ref`` the model's own scale: at initialisation the factor is exactly 1.0);
 the bias is passed as a float ``attn_mask`` combined with the model's mask, ``is_causal`` folded
 into it (SDPA forbids a mask together with ``is_causal``). The rewrite goes through
-:func:`probe.intervene.sdpa_change`, so a probe attached to the model records the learned scale
+:mod:`probe.overrides` (applied by :mod:`probe.capture.sdpa`), so a probe attached to the model records the learned scale
 as ``actual``. Under :func:`probe.scaling` the context's scale replaces ``s_h`` (the bias stays).
 
 Example:
@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from probe.capture.mode import SitesFilter, site_filter
+from probe.capture.sdpa import bind_sdpa
 from probe.errors import ProbeError
 from probe.intervene import (
     InterventionMode,
@@ -73,8 +74,7 @@ class _Discover(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and self.stack.root_running:
-            bound = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args))
-            bound.update(kwargs)
+            bound = bind_sdpa(args, kwargs)
             q = bound.get("query")
             if isinstance(q, Tensor) and q.dim() >= 3:
                 name, _ = self.stack.next_site()

@@ -44,10 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from probe import overrides
 from probe.call import AttentionCall
-from probe.intervene import mha_change
 
-__all__ = ["MHAFrontEnd", "mha_forward", "mirrors", "nested_self_attention_call"]
+__all__ = ["MHAFrontEnd", "lookup_mha", "mha_forward", "mirrors", "nested_self_attention_call"]
 
 Emit = Callable[[AttentionCall], None]
 
@@ -332,35 +332,62 @@ def _fused_funcs() -> Tuple[Callable[..., Any], ...]:
 _FUSED = _fused_funcs()
 
 
+_MHA_PARAMS = ("query", "key", "value", "embed_dim_to_check", "num_heads")  # the leading ones we read
+
+
+def lookup_mha(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[overrides.Override]:
+    """:func:`probe.overrides.lookup` for one ``F.multi_head_attention_forward`` call (``None``:
+    not consulted). Variants (module overrides) do not reach ``nn.MultiheadAttention``."""
+    if not overrides.rules_active():
+        return None
+    bound = dict(zip(_MHA_PARAMS, args))
+    bound.update(kwargs)
+    q, embed_dim, heads = bound.get("query"), bound.get("embed_dim_to_check"), bound.get("num_heads")
+    if not isinstance(q, Tensor) or not isinstance(embed_dim, int) or not isinstance(heads, int) or heads <= 0:
+        return None
+    return overrides.lookup(heads, embed_dim // heads, q, variants=False)
+
+
 class MHAFrontEnd:
     """Intercepts ``F.multi_head_attention_forward`` (every ``nn.MultiheadAttention`` call).
 
     The site is the innermost module running, i.e. the ``nn.MultiheadAttention`` itself
-    (``layers.0.self_attn``), or the custom module calling the function directly.
+    (``layers.0.self_attn``), or the custom module calling the function directly. Overrides
+    (``probe.scaling``) run as :func:`mha_forward` with ``scale_override``; the SDPA call inside
+    it is never rewritten again. ``emit=None``: apply overrides, record nothing.
     """
 
     funcs: Tuple[Callable[..., Any], ...] = (F.multi_head_attention_forward,) + _FUSED
-    applies_overrides = True  # probe.scaling: see probe.intervene.mha_change
+    applies_overrides = True
 
     def __init__(self) -> None:
         self._warned: Set[str] = set()
         self.pending: List[str] = []  # fused kernels called directly, named at the next module boundary
 
-    def handle(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any], emit: Emit) -> Any:
+    def handle(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+               emit: Optional[Emit]) -> Any:
         if func in _FUSED:
-            self.pending.append(getattr(func, "__name__", repr(func)))  # warned by drain, naming the site
+            if emit is not None:
+                self.pending.append(getattr(func, "__name__", repr(func)))  # warned by drain, naming the site
             return func(*args, **kwargs)
-        change = mha_change(args, kwargs) if func is F.multi_head_attention_forward else None
+        change = lookup_mha(args, kwargs)
         if not mirrors(args, kwargs):
-            self._warn_once(f"signature:{sorted(kwargs)}", (
-                "probe: F.multi_head_attention_forward was called with arguments this version of probe "
-                f"does not know ({sorted(set(kwargs) - _KNOWN)}); it runs unchanged (probe.scaling "
-                "does not reach it) and is NOT measured."
-            ))
-            return func(*args, **kwargs)
-        if change is not None:
-            return change.run(func, args, kwargs, emit)
-        return mha_forward(*args, **kwargs, emit=emit)
+            if emit is not None:
+                self._warn_once(f"signature:{sorted(kwargs)}", (
+                    "probe: F.multi_head_attention_forward was called with arguments this version of probe "
+                    f"does not know ({sorted(set(kwargs) - _KNOWN)}); it runs unchanged (probe.scaling "
+                    "does not reach it) and is NOT measured."
+                ))
+            if change is None:
+                return func(*args, **kwargs)
+            with overrides.applying():
+                return func(*args, **kwargs)
+        if change is None:
+            return func(*args, **kwargs) if emit is None else mha_forward(*args, **kwargs, emit=emit)
+        with overrides.applying():  # consulted (even when unchanged): never applied again below
+            if change.scale is None and emit is None:
+                return func(*args, **kwargs)
+            return mha_forward(*args, **kwargs, emit=emit, scale_override=change.scale)
 
     def runs_fused(self, module: nn.Module, args: Tuple[Any, ...]) -> bool:
         """Whether ``module`` gets a nested-tensor input, which only PyTorch's fused path accepts.

@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from probe.call import AttentionCall
+from probe.overrides import is_applying
 
 __all__ = ["CaptureMode", "FrontEnd", "ModuleStack", "SitesFilter", "WRAPPER_ATTRS", "site_filter", "site_names"]
 
@@ -120,7 +121,7 @@ class ModuleStack:
         statistics' ops are not captured."""
         for i in range(torch._C._len_torch_function_stack()):
             mode = torch._C._get_function_stack_at(i)
-            if isinstance(mode, CaptureMode) and mode.pending():
+            if isinstance(mode, CaptureMode) and mode.recording and mode.pending():
                 mode.drain(self._stack[-1][1])
 
     def _maybe_run_fused(self, module: nn.Module, name: str, args: Any) -> None:
@@ -134,7 +135,7 @@ class ModuleStack:
         """
         n = torch._C._len_torch_function_stack()
         mode = torch._C._get_function_stack_at(n - 1) if n else None
-        if not isinstance(mode, CaptureMode):
+        if not isinstance(mode, CaptureMode) or not mode.recording:
             return
         claims = (f for f in dict.fromkeys(mode._routes.values()) if hasattr(f, "runs_fused"))
         frontend = next((f for f in claims if f.runs_fused(module, args)), None)
@@ -193,9 +194,15 @@ class CaptureMode(TorchFunctionMode):
 
     Inside ``__torch_function__`` this mode is disabled, so the statistics computed from an
     emitted call are not themselves intercepted.
+
+    With ``emit=None`` the mode records nothing and only has its front ends apply overrides
+    (:mod:`probe.overrides`; this is :class:`probe.intervene.InterventionMode`). Such a mode
+    leaves a call alone when it is already being applied, when a front end issues it internally
+    (its recorded scale must stay true), or when a recording mode below it routes the call to a
+    front end that applies overrides itself (probe then records the overridden scale).
     """
 
-    def __init__(self, frontends: Sequence[FrontEnd], emit: Callable[[AttentionCall], None]) -> None:
+    def __init__(self, frontends: Sequence[FrontEnd], emit: Optional[Callable[[AttentionCall], None]]) -> None:
         super().__init__()
         self._routes: Dict[Callable[..., Any], FrontEnd] = {}
         for frontend in frontends:
@@ -203,6 +210,7 @@ class CaptureMode(TorchFunctionMode):
                 self._routes[func] = frontend
         self._frontends = list(frontends)
         self._emit = emit
+        self.recording = emit is not None
         self._traceable = [(f, fe) for fe in frontends if getattr(fe, "traceable", False) for f in fe.funcs]
         self._recording = [fe for fe in frontends if hasattr(fe, "pending") and hasattr(fe, "drain")]
         self._paused = False
@@ -221,7 +229,7 @@ class CaptureMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if self._paused:
             return func(*args, **kwargs)
-        if torch.compiler.is_compiling():
+        if self.recording and torch.compiler.is_compiling():
             # Dynamo traces this mode inside a compiled region (FlexAttention compiles its
             # operator even in eager mode): only front ends marked ``traceable`` may act there.
             for traced, frontend in self._traceable:
@@ -230,6 +238,8 @@ class CaptureMode(TorchFunctionMode):
             return func(*args, **kwargs)
         frontend = self._routes.get(func)
         if frontend is None:
+            return func(*args, **kwargs)
+        if not self.recording and (is_applying() or in_front_end() or _recorder_below(func)):
             return func(*args, **kwargs)
         token = _IN_FRONT_END.set(True)
         try:
@@ -254,10 +264,17 @@ class CaptureMode(TorchFunctionMode):
             self._paused = False
 
     def consults_overrides(self, func: Callable[..., Any]) -> bool:
-        """Whether the front end for ``func`` applies :mod:`probe.intervene` overrides itself
+        """Whether this mode records and its front end for ``func`` applies overrides itself
         (its class sets ``applies_overrides = True``), so an intervention mode above this one
         must leave the call to it: probe then records the overridden scale as ``actual``."""
-        return bool(getattr(self._routes.get(func), "applies_overrides", False))
+        return self.recording and bool(getattr(self._routes.get(func), "applies_overrides", False))
+
+
+def _recorder_below(func: Callable[..., Any]) -> bool:
+    # Inside __torch_function__ the running mode is popped: the stack holds only the modes below it.
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(m, CaptureMode) and m.consults_overrides(func) for m in _get_current_function_mode_stack())
 
 
 def default_frontends() -> List[FrontEnd]:

@@ -1,4 +1,13 @@
-"""Front end for ``F.scaled_dot_product_attention``."""
+"""Front end for ``F.scaled_dot_product_attention``, and how it applies overrides.
+
+Overrides (:mod:`probe.overrides`: ``probe.scaling``, the variants) are applied here: a float
+scale is passed as SDPA's ``scale``; a per-head scale ``s_h`` by scaling ``q`` per head,
+``q * (s_h / s_ref)``, and calling SDPA with ``scale=s_ref`` (``s_ref`` the call's own scale or a
+variant's reference), so the factor is exactly 1.0 when ``s_h == s_ref`` (bitwise-identical
+outputs; otherwise results match a per-head SDPA call to rounding); a variant's bias is folded
+into one float ``attn_mask`` with the model's mask and ``is_causal`` (SDPA forbids a mask with
+``is_causal``). The call is recorded with the original ``q`` and the effective scale.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from probe import overrides
 from probe.call import AttentionCall
-from probe.intervene import sdpa_change
 
-__all__ = ["SDPAFrontEnd", "sdpa_call"]
+__all__ = ["SDPAFrontEnd", "bind_sdpa", "sdpa_call"]
 
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-def _bind(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+def bind_sdpa(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """SDPA's arguments by name (positional ones bound as SDPA binds them)."""
     bound = dict(zip(_PARAMS, args))
     bound.update(kwargs)
     return bound
@@ -34,7 +44,7 @@ def _to_4d(t: Tensor) -> Tensor:
 
 def sdpa_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Optional[Tensor]) -> Optional[AttentionCall]:
     """Normalize one SDPA call's arguments; ``None`` when it is not a tensor call we understand."""
-    b = _bind(args, kwargs)
+    b = bind_sdpa(args, kwargs)
     q, k, v = b.get("query"), b.get("key"), b.get("value")
     if not all(isinstance(t, Tensor) for t in (q, k, v)) or q.dim() < 3:
         return None
@@ -57,25 +67,77 @@ def sdpa_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Optional[Te
     )
 
 
+def _fold_masks(mask: Any, bias: Tensor, causal: bool, q: Tensor, k: Tensor) -> Tensor:
+    """One float mask: the model's mask (bool or additive), causal, plus the variant's bias."""
+    if causal:
+        # SDPA forbids attn_mask with is_causal: fold top-left causal (tril) into the float mask.
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        mask = keep if mask is None else mask
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return torch.where(mask, bias, float("-inf"))  # a Python scalar: no host-to-device copy
+    return mask + bias
+
+
+def apply_override(bound: Dict[str, Any], change: overrides.Override) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(kwargs to run, kwargs to record) of an SDPA call under ``change``: the run rescales q per
+    head or passes the new float ``scale``; the record keeps the original q and the effective
+    scale (a float or a per-head tensor), with the combined mask."""
+    q, k = bound["query"], bound["key"]
+    own = bound.get("scale")
+    own_scale = 1.0 / math.sqrt(q.shape[-1]) if own is None else float(own)
+    run, record = dict(bound), dict(bound)
+    new = change.scale
+    if isinstance(new, Tensor):
+        reference = change.reference if change.reference is not None else own_scale
+        reference = reference if reference != 0 else 1.0
+        run["query"] = q * (new.to(device=q.device, dtype=q.dtype).reshape(-1, 1, 1) / reference)
+        if reference != own_scale:  # else keep the call's own `scale` (None stays None: same kernel path)
+            run["scale"] = reference
+        record["scale"] = new.detach()
+    elif new is not None:
+        run["scale"] = record["scale"] = float(new)
+    if change.bias is not None:
+        mask = _fold_masks(bound.get("attn_mask"), change.bias, bool(bound.get("is_causal", False)), q, k)
+        run["attn_mask"], run["is_causal"] = mask, False
+        record["attn_mask"], record["is_causal"] = mask.detach(), False
+    return run, record
+
+
+def lookup_sdpa(bound: Dict[str, Any]) -> Optional[overrides.Override]:
+    """:func:`probe.overrides.lookup` for one bound SDPA call (``None``: not consulted)."""
+    q, k = bound.get("query"), bound.get("key")
+    if not isinstance(q, Tensor) or not isinstance(k, Tensor) or q.dim() < 3:
+        return None
+    heads = q.shape[-3] if q.dim() >= 4 else 1
+    return overrides.lookup(heads, q.shape[-1], q, keys=k.shape[-2])
+
+
 class SDPAFrontEnd:
     """Intercepts ``F.scaled_dot_product_attention``: the model's own call runs unchanged,
-    unless an intervention (``probe.scaling``, a variant) rewrites it; then the rewritten call
-    runs and is recorded with its effective scale."""
+    unless an override (``probe.scaling``, a variant) applies; then the rewritten call runs and
+    is recorded with its effective scale. ``emit=None``: apply overrides, record nothing."""
 
     funcs = (F.scaled_dot_product_attention,)
     applies_overrides = True  # see CaptureMode.consults_overrides
 
     def handle(
         self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
-        emit: Callable[[AttentionCall], None],
+        emit: Optional[Callable[[AttentionCall], None]],
     ) -> Any:
-        change = sdpa_change(args, kwargs)  # None unless probe.scaling / a variant applies here
-        if change is not None:
-            output = change.run(func)
-            args, kwargs = change.record_args, change.record_kwargs
-        else:
+        bound = bind_sdpa(args, kwargs)
+        change = lookup_sdpa(bound)
+        if change is None:
             output = func(*args, **kwargs)
-        call = sdpa_call(args, kwargs, output)
-        if call is not None:
-            emit(call)
+        else:
+            run, record = apply_override(bound, change) if change.changes else (kwargs, kwargs)
+            with overrides.applying():  # consulted: never applied (or counted) again below
+                output = func(**run) if change.changes else func(*args, **kwargs)
+            if change.changes:
+                args, kwargs = (), record
+        if emit is not None:
+            call = sdpa_call(args, kwargs, output)
+            if call is not None:
+                emit(call)
         return output

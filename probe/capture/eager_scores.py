@@ -1,0 +1,241 @@
+"""The records of the eager front end (:mod:`probe.capture.eager`) and pure functions on them.
+
+A :class:`Scores` record says where a score tensor came from (q, k, scale, biases, masks, soft
+cap); a :class:`Meta` record what is known about an activation that may become q or kᵀ; a
+:class:`Pending` softmax waits for its product with v. The functions here fold an op into a
+record (:func:`scaled`, :func:`reshaped`), make the :class:`~probe.call.AttentionCall` of a
+softmax (:func:`to_call`) and rewrite a softmax input under an override (:func:`rescaled`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from probe.call import AttentionCall
+
+__all__ = ["MASK_FILL", "Meta", "Pending", "Scores", "factor", "handler_names", "heads_of", "lift", "number", "permuted",
+           "repeat_kv", "rescaled", "reshaped", "scaled", "to_call"]
+
+#: A fill value at or below this masks an entry (``exp`` of it underflows to 0 in float32).
+#: A fill value at or below this masks an entry (``exp`` of it underflows to 0 in float32).
+MASK_FILL = -1e4
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    """Where a score tensor came from. Biases and masks keep the layout (3 or 4 dims) the
+    scores had when they were applied; they are lifted to ``(B, H, L, S)`` at emit time."""
+
+    q: Tensor  # (B, H, L, d)
+    k: Tensor  # (B, Hk, S, d)
+    ndim: int  # dims of the score tensor this record describes (3 or 4)
+    merged: Optional[Tuple[int, int]] = None  # (B, H) of a (B*H, L, S) layout, when known
+    scale: float = 1.0
+    scale_t: Optional[Tensor] = None  # tensor factor: 1 value or one per head
+    biases: Tuple[Tuple[Tensor, float, int], ...] = ()  # (tensor, coefficient, layout)
+    masks: Tuple[Tuple[Tensor, bool, int, Optional[Tensor]], ...] = ()  # (mask, invert, layout, fill)
+    softcap: Optional[float] = None
+    tanh: bool = False  # tanh applied, waiting for its ``* c``
+    unknown: bool = False  # an op the record cannot describe touched the scores
+
+
+@dataclasses.dataclass(frozen=True)
+class Meta:
+    """What is known about an activation that may become q or kᵀ."""
+
+    base: Optional[Tensor] = None  # the tensor before ``* factor``
+    factor: float = 1.0
+    merged: Optional[Tuple[int, int]] = None  # (B, H) when this (B*H, L, d) came from (B, H, L, d)
+    src: Optional[Tensor] = None  # this tensor is ``src.transpose(-1, -2)`` (the model's own k)
+    whole: Optional[Tensor] = None  # the (B, H, n, d) tensor this (B*H, n, d) one was reshaped from
+    kv: Optional[Tensor] = None  # the (B, Hk, n, d) tensor this one repeats per group (repeat_kv)
+
+
+@dataclasses.dataclass
+class Pending:
+    """A softmax over scores, waiting for its product with v (then the call gets v and output)."""
+
+    call: AttentionCall
+    merged: Optional[Tuple[int, int]]
+    emit: Callable[[AttentionCall], None]
+    done: bool = False
+
+    def fire(self, v: Optional[Tensor] = None, output: Optional[Tensor] = None) -> None:
+        if not self.done:
+            self.done = True
+            self.call.v, self.call.output = v, output
+            self.emit(self.call)
+
+
+def handler_names() -> Dict[Callable[..., Any], str]:
+    """Intercepted function → name of the :class:`~probe.capture.eager.EagerFrontEnd` method that
+    handles it (``torch`` functions, ``F`` functions and tensor methods)."""
+    table: Dict[Callable[..., Any], str] = {}
+    for names, extra, handler in (
+        ("matmul __matmul__ bmm", (torch.matmul, torch.bmm), "_on_matmul"),
+        ("baddbmm", (torch.baddbmm,), "_on_baddbmm"),
+        ("", (torch.einsum,), "_on_einsum"),
+        ("mul mul_ __mul__ __rmul__ __imul__", (torch.mul,), "_on_mul"),
+        ("div div_ __truediv__ __itruediv__", (torch.div, torch.true_divide), "_on_div"),
+        ("add add_ __iadd__", (torch.add,), "_on_add"),
+        ("sub sub_ __isub__", (torch.sub,), "_on_sub"),
+        ("masked_fill masked_fill_", (torch.masked_fill,), "_on_masked_fill"),
+        ("", (torch.where,), "_on_where"),
+        ("tanh", (torch.tanh,), "_on_tanh"),
+        ("float to type type_as contiguous half bfloat16 double", (F.dropout, torch.dropout), "_on_cast"),
+        ("view reshape transpose", (torch.reshape, torch.transpose), "_on_view"),
+        ("clamp clamp_ __rsub__ __rdiv__", (torch.clamp,), "_on_other"),
+        ("softmax", (torch.softmax, F.softmax), "_on_softmax"),
+    ):
+        methods = [getattr(cls, n) for n in names.split() for cls in (torch._C.TensorBase, Tensor) if hasattr(cls, n)]
+        for func in (*methods, *extra):
+            table[func] = handler
+    return table
+
+
+def permuted(t: Tensor, dims: List[int]) -> Tensor:
+    # The tensor itself when nothing moves, so that hooks on it see the model's gradient.
+    return t if dims == list(range(t.dim())) else t.permute(dims)
+
+
+def repeat_kv(x: Tensor, out: Tensor) -> Optional[Meta]:
+    """``x[:, :, None].expand(B, Hk, n, S, d).reshape(B, Hk * n, S, d)`` (Hugging Face's
+    ``repeat_kv``): the kv tensor it repeats, the model's own when ``x`` is a view of it."""
+    b, hk, n, length, d = x.shape
+    if n < 2 or tuple(out.shape) != (b, hk * n, length, d):
+        return None
+    base = x._base
+    if (base is not None and tuple(base.shape) == (b, hk, length, d) and base.data_ptr() == x.data_ptr()
+            and base.unsqueeze(2).expand(x.shape).stride() == x.stride()):
+        return Meta(kv=base)
+    return Meta(kv=x.select(2, 0))
+
+
+def number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+
+
+def factor(x: Any, node: Scores) -> Optional[Any]:
+    """A Python float, a 1-D factor tensor (one value or one per head), or None."""
+    if number(x):
+        return float(x)
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        return None
+    if x.numel() == 1:
+        return x.detach().float().reshape(1)
+    heads = node.q.shape[1]
+    shape = (1,) * (4 - x.dim()) + tuple(x.shape) if x.dim() <= 4 else ()
+    if node.ndim == 4 and len(shape) == 4 and shape[1] == heads and x.numel() == heads:
+        return x.detach().float().reshape(heads)
+    return None
+
+
+def scaled(node: Scores, f: Any) -> Scores:
+    if node.unknown:
+        return node
+    if node.tanh:  # c * tanh(z / c): the multiplier is the cap
+        if not isinstance(f, float):
+            return dataclasses.replace(node, unknown=True)
+        return dataclasses.replace(node, tanh=False, softcap=f, scale=node.scale * f)
+    if isinstance(f, float):
+        if node.softcap is not None and f <= 0:
+            return dataclasses.replace(node, unknown=True)
+        # f·(c·tanh(σR/c) + A) = (fc)·tanh(fσR/(fc)) + fA
+        biases = tuple((t, c * f, n) for t, c, n in node.biases)
+        softcap = None if node.softcap is None else node.softcap * f
+        return dataclasses.replace(node, scale=node.scale * f, biases=biases, softcap=softcap)
+    if node.biases or node.softcap is not None:
+        return dataclasses.replace(node, unknown=True)
+    scale_t = f if node.scale_t is None else node.scale_t * f
+    return dataclasses.replace(node, scale_t=scale_t)
+
+
+def reshaped(node: Scores, x: Tensor, out: Tensor) -> Optional[Scores]:
+    """The record of a view of the scores: only (B*H, L, S) <-> (B, H, L, S) keeps it."""
+    if x.shape[-2:] != out.shape[-2:] or out.dim() not in (3, 4):
+        return None
+    if out.dim() == x.dim():
+        return node if out.shape == x.shape else None
+    if out.dim() == 3:  # (B, H, L, S) -> (B*H, L, S)
+        return dataclasses.replace(node, ndim=3) if out.shape[0] == x.shape[0] * x.shape[1] else None
+    # (N, L, S) -> (B, H, L, S): learn the heads of a bmm layout
+    b, h = out.shape[0], out.shape[1]
+    if b * h != x.shape[0]:
+        return None
+    if node.merged is None and node.q.shape[1] == 1 and node.q.shape[0] == b * h and h > 1:
+        q = node.q.reshape(b, h, *node.q.shape[2:])
+        k = node.k.reshape(b, h, *node.k.shape[2:]) if node.k.shape[0] == b * h else node.k
+        return dataclasses.replace(node, q=q, k=k, ndim=4, merged=(b, h))
+    return dataclasses.replace(node, ndim=4)
+
+
+def heads_of(t: Tensor, merged: Optional[Tuple[int, int]]) -> Tensor:
+    """(B, H, n, d) from a 4-D tensor or a (B*H, n, d) one."""
+    if t.dim() == 4:
+        return t
+    if merged is not None and t.shape[0] == merged[0] * merged[1]:
+        return t.reshape(merged[0], merged[1], *t.shape[1:])
+    return t.unsqueeze(1)
+
+
+def lift(t: Tensor, layout: int, node: Scores) -> Tensor:
+    """A bias or mask applied to a ``layout``-dim score tensor, broadcastable to (B, H, L, S)."""
+    if layout == 4 or t.dim() < 3:
+        return t
+    if node.merged is not None and t.shape[0] == node.merged[0] * node.merged[1] and node.merged[1] > 1:
+        return t.reshape(node.merged[0], node.merged[1], *t.shape[1:])
+    return t.unsqueeze(-3)
+
+
+def to_call(node: Scores, logits: Tensor) -> AttentionCall:
+    if node.unknown or node.tanh:
+        return AttentionCall(q=node.q, k=node.k, v=None, scale=None, logits=lift(logits, logits.dim(), node),
+                             kind="eager")
+    bias: Optional[Tensor] = None
+    for t, coeff, layout in node.biases:
+        term = lift(t, layout, node)
+        term = term if coeff == 1.0 else term * coeff
+        bias = term if bias is None else bias + term
+    valid: Optional[Tensor] = None
+    for m, invert, layout, fill in node.masks:
+        keep = ~m if invert else m
+        if fill is not None:  # a tensor fill value masks only when it is very negative
+            keep = keep | (fill > MASK_FILL)
+        keep = lift(keep, layout, node)
+        valid = keep if valid is None else valid & keep
+    scale: Any = node.scale
+    if node.scale_t is not None:
+        scale = node.scale_t * node.scale
+    return AttentionCall(q=node.q, k=node.k, v=None, scale=scale, bias=bias, mask=valid,
+                         softcap=node.softcap, kind="eager")
+
+
+def rescaled(node: Scores, x: Tensor, new: Union[float, Tensor]) -> Tuple[Tensor, Scores]:
+    """``probe.scaling`` on a softmax over ``x`` (recognised scores ``node``): the input to run,
+    ``Z + (s' - s)·q·kᵀ`` (q unscaled: a pre-scaling is part of ``s``), and the record at ``s'``."""
+    heads = node.q.shape[1]
+    k = node.k
+    if k.shape[1] != heads:
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+    raw = torch.matmul(node.q, k.transpose(-1, -2))  # (B, H, L, S)
+    old: Any = node.scale if node.scale_t is None else node.scale_t * node.scale
+    if isinstance(new, Tensor) or isinstance(old, Tensor):
+        delta = (torch.as_tensor(new, device=raw.device, dtype=torch.float32)
+                 - torch.as_tensor(old, device=raw.device, dtype=torch.float32))
+        delta = delta.reshape(-1, 1, 1) if delta.numel() > 1 else delta.reshape(())
+        change = raw * delta.to(raw.dtype)
+    else:
+        change = raw * (float(new) - float(old))
+    if x.dim() == 3:
+        change = change.reshape(-1, *change.shape[-2:])
+    z = x + change.to(x.dtype)
+    if isinstance(new, Tensor):
+        return z, dataclasses.replace(node, scale=1.0, scale_t=new.detach())
+    return z, dataclasses.replace(node, scale=float(new), scale_t=None)
