@@ -4,64 +4,26 @@ from __future__ import annotations
 
 import atexit
 import copy
-import math
 import os
-import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from probe.call import AttentionCall, Scale
-from probe.capture.grads import GradHooks
 from probe.capture.mode import CaptureMode, ModuleStack, SitesFilter, default_frontends, site_filter
 from probe.compiled import EagerSteps, check_model, is_compiled, outside_graph
 from probe.distributed import resolve_group
 from probe.errors import ProbeError
+from probe.options import BUILTIN_SCALES, ExtraScale, check_int, check_scales
+from probe.recorder import Recorder
+from probe.results import Results, pending_states
 from probe.sinks.base import Sink, SinkGuard, Worker
-from probe.stats.accumulator import Accumulator, State, merge_states, unpack
-from probe.stats.finalize import finalize
-from probe.stats.functional import forward_stats
+from probe.stats.accumulator import State
 from probe.summary import SUMMARY_FILE, Summary
 
 __all__ = ["BUILTIN_SCALES", "Probe", "watch"]
-
-#: Scales every metric is reported at (DESIGN.md "Scales").
-BUILTIN_SCALES = ("actual", "unscaled", "standard")
-
-ExtraScale = Union[float, Callable[[int], float]]
-SiteKey = Tuple[str, int]  # (module name, call index within one invocation)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-        raise ProbeError(f"expected `{name}` to be {kind}, got {value!r}")
-    return value
-
-
-def _check_scales(scales: Optional[Mapping[str, ExtraScale]]) -> Dict[str, ExtraScale]:
-    if scales is None:
-        return {}
-    if not isinstance(scales, Mapping):
-        raise ProbeError(
-            f"expected `scales` to be a dict of name -> float or callable(d_k) -> float, got {type(scales).__name__}"
-        )
-    out: Dict[str, ExtraScale] = {}
-    for name, value in scales.items():
-        if not isinstance(name, str) or not name or any(c in name for c in "/@ "):
-            raise ProbeError(f"expected `scales` names to be non-empty strings without '/', '@' or spaces, got {name!r}")
-        if name in BUILTIN_SCALES:
-            raise ProbeError(f"`scales` name {name!r} is built in; choose another name")
-        if callable(value):
-            out[name] = value
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            out[name] = float(value)
-        else:
-            raise ProbeError(f"expected `scales[{name!r}]` to be a finite float or a callable(d_k), got {value!r}")
-    return out
 
 
 class Probe:
@@ -119,15 +81,14 @@ class Probe:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"expected `model` to be a torch.nn.Module, got {type(model).__name__}")
         check_model(model)
-        self.every = _check_int("every", every, 1)
-        self.flush_every = _check_int("flush_every", flush_every, 1)
-        self.memory_budget = _check_int("memory_budget", memory_budget, 1)
-        self.rows = None if rows is None else _check_int("rows", rows, 1)
-        self._row_generator = torch.Generator().manual_seed(0)  # row sampling, reproducible
+        self.every = check_int("every", every, 1)
+        self.flush_every = check_int("flush_every", flush_every, 1)
+        self.memory_budget = check_int("memory_budget", memory_budget, 1)
+        self.rows = None if rows is None else check_int("rows", rows, 1)
         if isinstance(saturation, bool) or not isinstance(saturation, (int, float)) or not 0 < saturation <= 1:
             raise ProbeError(f"expected `saturation` to be a float in (0, 1], got {saturation!r}")
         self.saturation = float(saturation)
-        self.extra_scales = _check_scales(scales)
+        self.extra_scales = check_scales(scales)
         self.grads = bool(grads)
         self.per_head = bool(per_head)
         self._sites_filter = sites
@@ -155,27 +116,20 @@ class Probe:
         self._mode: Optional[CaptureMode] = None
         self._eager = EagerSteps()  # torch.compile: sampled steps run eagerly (probe.compiled)
         self._eager.attach(model)
-        self._emitted = 0  # attention calls seen, to detect a compiled graph that hides them
         self._emitted_before = 0
         self._warned_compiled: Set[str] = set()
-        self._acc = Accumulator()
-        self._infos: Dict[SiteKey, Dict[str, Any]] = {}
-        self._multi: Set[str] = set()  # modules seen issuing several calls in one invocation
-        self._lock = threading.Lock()
-        self._totals: Dict[str, State] = {}
-        self._total_infos: Dict[str, Dict[str, Any]] = {}
+        self._results = Results()
         self._worker = Worker()
-        self._grad_hooks = GradHooks(self._add_grads, self._worker.warn)
+        self._rec = Recorder(model, self._stack, self._frontends, extra_scales=self.extra_scales,
+                             saturation=self.saturation, memory_budget=self.memory_budget, rows=self.rows,
+                             grads=self.grads, site_ok=self._site_ok, warn=self._worker.warn)
+        self._grad_hooks = self._rec.grad_hooks.hooks
         self._guard = SinkGuard(self._worker.warn)  # one warning per failing sink and error kind
-        self._step = 0
         self._started = False
         self._auto_step = True
         self._depth = 0
-        self._window: List[int] = []  # sampled steps whose statistics sit in the accumulator
         self._probed_steps: Set[int] = set()
-        self._filtered_out: Set[str] = set()
         self._warned_filter = False
-        self._warned_unknown_scale: Set[str] = set()
         self._closed = False
         self._handles = [
             model.register_forward_pre_hook(self._on_forward_start),
@@ -202,13 +156,29 @@ class Probe:
 
     # -- steps ---------------------------------------------------------------------------------
     @property
+    def _step(self) -> int:
+        return self._rec.step
+
+    @_step.setter
+    def _step(self, value: int) -> None:
+        self._rec.step = value  # calls emitted from now on belong to this step
+
+    @property
+    def _window(self) -> List[int]:
+        return self._rec.window
+
+    @_window.setter
+    def _window(self, value: List[int]) -> None:
+        self._rec.window = value
+
+    @property
     def current_step(self) -> int:
         return self._step
 
     def step(self, n: int) -> None:
         """Set the step number: forwards until the next ``step`` call belong to step ``n``
         (e.g. several micro-batches of gradient accumulation). Turns off automatic counting."""
-        self._step = _check_int("n", n, 0)
+        self._step = check_int("n", n, 0)
         self._started = True
         self._auto_step = False
         self._maybe_flush()
@@ -254,9 +224,9 @@ class Probe:
                                 "probe.watch(torch.compile(model)).")
             return
         self._eager.enter()  # compiled code in this forward runs eagerly, so the capture sees it
-        self._emitted_before = self._emitted
+        self._emitted_before = self._rec.emitted
         self._stack.activate()
-        self._mode = CaptureMode(self._frontends, self._emit)
+        self._mode = CaptureMode(self._frontends, self._rec.emit)
         self._mode.__enter__()
 
     def _on_traced_forward_start(self, module: nn.Module, args: Any) -> None:
@@ -274,7 +244,7 @@ class Probe:
             captured = self._mode is not None
             self._stop_capture()
             self._eager.exit()
-            if captured and self._emitted == self._emitted_before and (self._eager.hooks_traced or is_compiled(self.model)):
+            if captured and self._rec.emitted == self._emitted_before and (self._eager.hooks_traced or is_compiled(self.model)):
                 self._warn_compiled("empty", f"probe: step {self._step} was sampled but no attention call was "
                                     "captured in this compiled or scripted model: its graph does not run probe's "
                                     "capture (TorchScript, an exported or AOT-compiled artifact?). Watch the "
@@ -292,88 +262,6 @@ class Probe:
             mode.__exit__(None, None, None)
         self._stack.deactivate()
 
-    # -- per call ------------------------------------------------------------------------------
-    def _scales_for(self, call: AttentionCall) -> Dict[str, Scale]:
-        scales: Dict[str, Scale] = {"actual": call.scale, "unscaled": 1.0, "standard": call.standard_scale}
-        for name, value in self.extra_scales.items():
-            scales[name] = float(value(call.d_k)) if callable(value) else value
-        return scales
-
-    def _emit(self, call: AttentionCall) -> None:
-        self._emitted += 1
-        name, index = self._stack.next_site()
-        if not self._window or self._window[-1] != self._step:
-            self._window.append(self._step)
-        if index > 0:
-            self._multi.add(name)
-        call.site = self._site_name((name, index))
-        if self._site_ok is not None and not (self._site_ok(call.site) or self._site_ok(name)):
-            self._filtered_out.add(call.site)
-            return
-        try:
-            call.validate()
-        except ValueError as err:
-            self._worker.warn(f"probe: skipped an attention call at {call.site!r}: {err}")
-            return
-        scales = self._scales_for(call)
-        with torch.no_grad():
-            if call.logits is not None:  # an eager softmax whose scale is unknown: `actual` only
-                fields = self._unknown_scale_stats(call)
-            else:
-                fields = forward_stats(call, scales, self.saturation, self.memory_budget,
-                                       rows=self.rows, generator=self._row_generator)
-        if not fields:
-            return
-        if isinstance(call.scale, Tensor):
-            fields["scale"] = call.scale.detach().reshape(-1).expand(call.heads).to(fields["rows"].dtype)
-        key = (name, index)
-        self._acc.add(key, fields)
-        if self.grads and torch.is_grad_enabled():
-            self._grad_hooks.register(call, key, self._step, scales, self.memory_budget)
-        elif self.grads and self._grad_hooks.root_grad:  # no_grad inside a training forward: reentrant checkpoint
-            module = self.model.get_submodule(name) if name != "root" else self.model
-            self._grad_hooks.defer(module, key, self._step, self._scales_for, self.memory_budget, self._frontends)
-        info = self._infos.get(key)
-        if info is None:
-            info = self._infos[key] = {
-                "kind": call.kind, "heads": call.heads, "kv_heads": call.kv_heads, "d_k": call.d_k,
-                "scale": None, "calls": 0,
-            }
-            if call.softcap is not None:
-                info["softcap"] = call.softcap
-        if self.rows is not None and call.q.shape[2] > self.rows:
-            info["rows"] = f"{self.rows} of {call.q.shape[2]} query rows sampled: logit_max is a lower bound"
-        if not isinstance(call.scale, Tensor):
-            info["scale"] = None if call.scale is None else float(call.scale)
-        info["calls"] += 1
-
-    def _unknown_scale_stats(self, call: AttentionCall) -> State:
-        """Metrics at `actual` from an eager call's softmax input; warns once per site."""
-        from probe.stats.eager_logits import logits_stats
-
-        if call.site not in self._warned_unknown_scale:
-            self._warned_unknown_scale.add(call.site)
-            warnings.warn(
-                f"probe: the attention scale at site {call.site!r} could not be recovered from its eager "
-                "ops; it is reported at `actual` only, from the softmax input (info scale = None)",
-                UserWarning, stacklevel=2,
-            )
-        logits = call.logits
-        return {} if logits is None else logits_stats(logits, self.saturation, self.memory_budget)
-
-    def _add_grads(self, key: SiteKey, step: int, fields: State) -> None:
-        """Fold backward fields (called from the hooks, inside backward) into the step's state."""
-        if step not in self._window:  # the window was flushed before this backward ran
-            self._window.append(step)
-        self._acc.add(key, fields)
-        info = self._infos.get(key)
-        if info is not None:
-            info["grad_kv_heads"] = info["kv_heads"]  # grad_k / grad_v have one value per kv head
-
-    def _site_name(self, key: SiteKey) -> str:
-        name, index = key
-        return f"{name}#{index + 1}" if name in self._multi else name
-
     # -- flush -----------------------------------------------------------------------------------
     def _flush(self) -> None:
         """Pack the accumulator, start one device→host copy, hand the rest to the worker."""
@@ -382,13 +270,14 @@ class Probe:
         if self._dist is not None:
             self._flush_distributed(window)
             return
-        if not self._acc:
+        acc = self._rec.acc
+        if not acc:
             return
         self._probed_steps.update(window)
-        flat, layout = self._acc.pack()
-        self._acc.reset()
-        names = {key: self._site_name(key) for key, _, _ in layout}
-        infos = copy.deepcopy(self._infos)
+        flat, layout = acc.pack()
+        acc.reset()
+        names = {key: self._rec.site_name(key) for key, _, _ in layout}
+        infos = copy.deepcopy(self._rec.infos)
         host, event = _to_host(flat)
         step = window[-1]
         steps = len(window)
@@ -399,43 +288,33 @@ class Probe:
         that it is ordered with the training's own collectives), then hand it to the worker."""
         assert self._dist is not None
         step = window[-1] if window else self._step
-        flat, layout, infos = self._dist.reduce(self._acc.states, self._infos, step)
-        self._acc.reset()
-        self._multi.update(self._dist.multi_names())  # "#n" suffixes as any rank saw them
+        flat, layout, infos = self._dist.reduce(self._rec.acc.states, self._rec.infos, step)
+        self._rec.acc.reset()
+        self._rec.multi.update(self._dist.multi_names())  # "#n" suffixes as any rank saw them
         if not layout:
             return
         self._probed_steps.update(window)
-        names = {key: self._site_name(key) for key, _, _ in layout}
+        names = {key: self._rec.site_name(key) for key, _, _ in layout}
         steps = len(window)
         self._worker.submit(lambda: self._process(step, flat, None, layout, names, infos, steps))
 
     def _process(self, step: int, host: Tensor, event: Any, layout: Any, names: Dict[Hashable, str],
-                 infos: Dict[SiteKey, Dict[str, Any]], steps: int = 1) -> None:
+                 infos: Dict[Hashable, Dict[str, Any]], steps: int = 1) -> None:
         if event is not None:
             event.synchronize()
-        states = unpack(host.to(torch.float64), layout)
-        window: Dict[str, Dict[str, Any]] = {}
-        with self._lock:
-            for key, state in states.items():
-                name = names[key]
-                info = dict(infos[key])
-                if "scale" in state:
-                    info["scale"] = state["scale"].tolist()
-                merge_states(self._totals.setdefault(name, {}), {f: v.clone() for f, v in state.items()})
-                self._total_infos[name] = info
-                window[name] = {"info": info, "metrics": finalize(state)}
-        summary = Summary(window, steps=steps)
+        summary = self._results.add_window(host, layout, names, infos, steps)
         for sink in self._sinks:
             self._guard.call(sink, "write", step, summary)  # a sink failure never breaks training
 
     def _check_filter(self) -> None:
-        if self._warned_filter or self._site_ok is None or not self._filtered_out:
+        filtered_out = self._rec.filtered_out
+        if self._warned_filter or self._site_ok is None or not filtered_out:
             return
-        if not self._acc and not self._totals:
+        if not self._rec.acc and not self._results:
             self._warned_filter = True
             warnings.warn(
                 f"probe: `sites` filter {self._sites_filter!r} matched none of the attention sites seen: "
-                f"{', '.join(sorted(self._filtered_out))}",
+                f"{', '.join(sorted(filtered_out))}",
                 UserWarning,
                 stacklevel=3,
             )
@@ -450,27 +329,15 @@ class Probe:
         """
         self._worker.join()
         local = self._dist is None
+        rec = self._rec
         pending: Dict[str, State] = {}
-        if self._acc and local:
-            flat, layout = self._acc.pack()
-            for key, state in unpack(flat.detach().to("cpu", torch.float64), layout).items():
-                pending[self._site_name(key)] = state
-        with self._lock:
-            totals = {name: dict(state) for name, state in self._totals.items()}
-            infos = {name: dict(info) for name, info in self._total_infos.items()}
-        for name, state in pending.items():
-            merge_states(totals.setdefault(name, {}), state)
-        for key, info in self._infos.items() if local else ():
-            name = self._site_name(key)
-            if name in totals:
-                merged = dict(info)
-                if "scale" in totals[name]:
-                    merged["scale"] = totals[name]["scale"].tolist()
-                infos[name] = merged
+        if rec.acc and local:
+            flat, layout = rec.acc.pack()
+            pending = pending_states(flat, layout, {key: rec.site_name(key) for key, _, _ in layout})
+        infos = {rec.site_name(key): info for key, info in rec.infos.items()} if local else {}
         steps = len(self._probed_steps | (set(self._window) if local else set()))
-        sites = {name: {"info": infos.get(name, {}), "metrics": finalize(totals[name])} for name in totals}
         meta = {"every": self.every, "saturation": self.saturation, "scales": list(BUILTIN_SCALES) + list(self.extra_scales)}
-        return Summary(sites, steps=steps, meta=meta)
+        return self._results.summary(pending, infos, steps, meta)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -490,10 +357,10 @@ class Probe:
                 # A collective: every rank closes and flushes, even one with nothing to add.
                 if self._dist.usable():
                     self._flush()
-                elif self._window or self._acc:
+                elif self._window or self._rec.acc:
                     self._worker.warn("probe: torch.distributed was shut down before Probe.close(); the last "
                                       "window of statistics was not reduced (close the probe first)")
-            elif self._window or self._acc:
+            elif self._window or self._rec.acc:
                 self._flush()
             self._worker.join()
             for sink in self._sinks:

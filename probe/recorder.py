@@ -1,0 +1,214 @@
+"""The recorder: what probe does with each captured attention call.
+
+Front ends only produce :class:`~probe.call.AttentionCall` records; the recorder decides what is
+computed from them: it names the site (``name`` or ``name#n``), filters it (``sites=``),
+validates the record, computes the forward statistics at every scale into the running
+:class:`~probe.stats.accumulator.Accumulator`, keeps the per-site info, and registers the
+backward hooks (:class:`~probe.capture.grads.BackwardHooks`) whose gradients it reduces to the
+backward statistics.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from probe.call import AttentionCall, Scale
+from probe.capture.grads import BackwardHooks
+from probe.capture.mode import ModuleStack
+from probe.options import ExtraScale
+from probe.stats.accumulator import Accumulator, State
+from probe.stats.functional import forward_stats
+from probe.stats.grads import grad_logits_stats, head_sq
+
+__all__ = ["GradHooks", "Recorder", "SiteKey", "grad_scales"]
+
+SiteKey = Tuple[str, int]  # (module name, call index within one invocation)
+#: ``add(site_key, step, fields)``: folds backward fields into the running state.
+AddFields = Callable[[Hashable, int, Dict[str, Tensor]], None]
+
+
+def grad_scales(call: AttentionCall, scales: Mapping[str, Optional[Scale]]) -> Dict[str, Optional[Scale]]:
+    """The scales ``grad_logits`` is measured at: every scale of a call whose scale is known;
+    ``actual`` only (from the call's own logits) when it is not."""
+    if call.scale is None:
+        return {"actual": None} if call.logits is not None else {}
+    return {name: value for name, value in scales.items() if value is not None}
+
+
+class GradHooks:
+    """Backward hooks whose gradients are reduced to backward statistics.
+
+    ``register(call, key, step, scales, budget)`` hooks one call; each gradient becomes fields
+    ``grad_logits_sq@{scale}`` (:func:`probe.stats.grads.grad_logits_stats`) and
+    ``grad_{q,k,v}_sq`` (:func:`probe.stats.grads.head_sq`), handed to ``add(key, step, fields)``.
+
+    Args:
+        add: receives ``(site key, step, fields)`` from inside backward.
+        warn: receives a message when a backward reduction fails.
+    """
+
+    def __init__(self, add: AddFields, warn: Callable[[str], None]) -> None:
+        self._add = add
+        self.hooks = BackwardHooks(self._on_logits, self._on_input, warn)
+
+    def __len__(self) -> int:
+        return len(self.hooks)
+
+    def register(self, call: AttentionCall, key: Hashable, step: int, scales: Mapping[str, Optional[Scale]],
+                 budget_bytes: int) -> int:
+        return self.hooks.register(call, key, step, (grad_scales(call, scales), budget_bytes))
+
+    def defer(self, module: nn.Module, key: SiteKey, step: int,
+              scales_for: Callable[[AttentionCall], Mapping[str, Optional[Scale]]], budget_bytes: int,
+              frontends: Sequence[Any]) -> None:
+        def payload(call: AttentionCall) -> Tuple[Dict[str, Optional[Scale]], int]:
+            return grad_scales(call, scales_for(call)), budget_bytes
+
+        self.hooks.defer(module, key, step, frontends, payload)
+
+    def remove(self) -> None:
+        self.hooks.remove()
+
+    def _on_logits(self, record: AttentionCall, key: Hashable, step: int, payload: Any, grad: Tensor,
+                   from_probs: bool) -> None:
+        scales, budget = payload
+        if not scales:
+            return
+        if from_probs:
+            fields = grad_logits_stats(record, None, scales, budget, grad_probs=grad)
+        else:
+            fields = grad_logits_stats(record, grad, scales, budget)
+        if fields:
+            self._add(key, step, fields)
+
+    def _on_input(self, name: str, key: Hashable, step: int, grad: Tensor) -> None:
+        self._add(key, step, {f"grad_{name}_sq": head_sq(grad)})
+
+
+class Recorder:
+    """Turns emitted calls into per-site state (see the module docstring).
+
+    Args:
+        model: the watched root module (deferred gradients look up its sub-modules).
+        stack: the running modules, for site names.
+        frontends: the front ends (a recomputation under checkpointing runs them again).
+        extra_scales: extra named scales (validated by the profiler).
+        saturation, memory_budget, rows: as for :class:`probe.Probe`.
+        grads: whether to register backward hooks.
+        site_ok: the ``sites=`` predicate, ``None`` for every site.
+        warn: the worker's warning channel (one message per failure).
+    """
+
+    def __init__(self, model: nn.Module, stack: ModuleStack, frontends: Sequence[Any], *,
+                 extra_scales: Mapping[str, ExtraScale], saturation: float, memory_budget: int,
+                 rows: Optional[int], grads: bool, site_ok: Optional[Callable[[str], bool]],
+                 warn: Callable[[str], None]) -> None:
+        self.model = model
+        self.stack = stack
+        self.frontends = frontends
+        self.extra_scales = extra_scales
+        self.saturation = saturation
+        self.memory_budget = memory_budget
+        self.rows = rows
+        self.grads = grads
+        self.site_ok = site_ok
+        self._warn = warn
+        self._row_generator = torch.Generator().manual_seed(0)  # row sampling, reproducible
+        self.acc = Accumulator()
+        self.infos: Dict[SiteKey, Dict[str, Any]] = {}
+        self.multi: Set[str] = set()  # modules seen issuing several calls in one invocation
+        self.filtered_out: Set[str] = set()
+        self.window: List[int] = []  # sampled steps whose statistics sit in the accumulator
+        self.step = 0
+        self.emitted = 0  # attention calls seen, to detect a compiled graph that hides them
+        self.grad_hooks = GradHooks(self._add_grads, warn)
+        self._warned_unknown_scale: Set[str] = set()
+
+    def scales_for(self, call: AttentionCall) -> Dict[str, Scale]:
+        scales: Dict[str, Scale] = {"actual": call.scale, "unscaled": 1.0, "standard": call.standard_scale}
+        for name, value in self.extra_scales.items():
+            scales[name] = float(value(call.d_k)) if callable(value) else value
+        return scales
+
+    def site_name(self, key: SiteKey) -> str:
+        name, index = key
+        return f"{name}#{index + 1}" if name in self.multi else name
+
+    def emit(self, call: AttentionCall) -> None:
+        """Record one call of the current step (the capture mode's ``emit``)."""
+        self.emitted += 1
+        name, index = self.stack.next_site()
+        if not self.window or self.window[-1] != self.step:
+            self.window.append(self.step)
+        if index > 0:
+            self.multi.add(name)
+        call.site = self.site_name((name, index))
+        if self.site_ok is not None and not (self.site_ok(call.site) or self.site_ok(name)):
+            self.filtered_out.add(call.site)
+            return
+        try:
+            call.validate()
+        except ValueError as err:
+            self._warn(f"probe: skipped an attention call at {call.site!r}: {err}")
+            return
+        scales = self.scales_for(call)
+        with torch.no_grad():
+            if call.logits is not None:  # an eager softmax whose scale is unknown: `actual` only
+                fields = self._unknown_scale_stats(call)
+            else:
+                fields = forward_stats(call, scales, self.saturation, self.memory_budget,
+                                       rows=self.rows, generator=self._row_generator)
+        if not fields:
+            return
+        if isinstance(call.scale, Tensor):
+            fields["scale"] = call.scale.detach().reshape(-1).expand(call.heads).to(fields["rows"].dtype)
+        key = (name, index)
+        self.acc.add(key, fields)
+        if self.grads and torch.is_grad_enabled():
+            self.grad_hooks.register(call, key, self.step, scales, self.memory_budget)
+        elif self.grads and self.grad_hooks.hooks.root_grad:  # no_grad inside a training forward: reentrant checkpoint
+            module = self.model.get_submodule(name) if name != "root" else self.model
+            self.grad_hooks.defer(module, key, self.step, self.scales_for, self.memory_budget, self.frontends)
+        self._update_info(key, call)
+
+    def _update_info(self, key: SiteKey, call: AttentionCall) -> None:
+        info = self.infos.get(key)
+        if info is None:
+            info = self.infos[key] = {
+                "kind": call.kind, "heads": call.heads, "kv_heads": call.kv_heads, "d_k": call.d_k,
+                "scale": None, "calls": 0,
+            }
+            if call.softcap is not None:
+                info["softcap"] = call.softcap
+        if self.rows is not None and call.q.shape[2] > self.rows:
+            info["rows"] = f"{self.rows} of {call.q.shape[2]} query rows sampled: logit_max is a lower bound"
+        if not isinstance(call.scale, Tensor):
+            info["scale"] = None if call.scale is None else float(call.scale)
+        info["calls"] += 1
+
+    def _unknown_scale_stats(self, call: AttentionCall) -> State:
+        """Metrics at `actual` from an eager call's softmax input; warns once per site."""
+        from probe.stats.eager_logits import logits_stats
+
+        if call.site not in self._warned_unknown_scale:
+            self._warned_unknown_scale.add(call.site)
+            warnings.warn(
+                f"probe: the attention scale at site {call.site!r} could not be recovered from its eager "
+                "ops; it is reported at `actual` only, from the softmax input (info scale = None)",
+                UserWarning, stacklevel=2,
+            )
+        logits = call.logits
+        return {} if logits is None else logits_stats(logits, self.saturation, self.memory_budget)
+
+    def _add_grads(self, key: Hashable, step: int, fields: State) -> None:
+        """Fold backward fields (called from the hooks, inside backward) into the step's state."""
+        if step not in self.window:  # the window was flushed before this backward ran
+            self.window.append(step)
+        self.acc.add(key, fields)
+        info = self.infos.get(key)  # type: ignore[arg-type]
+        if info is not None:
+            info["grad_kv_heads"] = info["kv_heads"]  # grad_k / grad_v have one value per kv head
