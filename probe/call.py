@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Union
+from typing import FrozenSet, Literal, Optional, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["AttentionCall", "Scale"]
+__all__ = ["KINDS", "AttentionCall", "Kind", "Scale"]
 
 #: A scale is a Python float (the same for every head) or a 1-D tensor with one value per head.
 Scale = Union[float, Tensor]
+#: Which front end made a record.
+Kind = Literal["sdpa", "eager", "mha", "flex"]
+KINDS: FrozenSet[str] = frozenset({"sdpa", "eager", "mha", "flex"})
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class AttentionCall:
     """One attention computation, normalized whatever front end captured it.
+
+    Immutable: a stage that needs another value makes a copy (``dataclasses.replace``), so a
+    record handed to one consumer never changes under another.
 
     Shapes follow ``F.scaled_dot_product_attention``: ``q`` is ``(B, H, L, d)``, ``k`` is
     ``(B, Hk, S, d)`` with ``H % Hk == 0`` (grouped-query attention when ``Hk < H``; query head
@@ -37,7 +43,7 @@ class AttentionCall:
         softcap: logit soft-capping constant, or ``None``.
         output: the attention output ``(B, H, L, dv)``, for the backward hook.
         site: the qualified name of the module that issued the call.
-        kind: which front end made the record: ``"sdpa"``, ``"eager"``, ``"mha"``.
+        kind: which front end made the record: ``"sdpa"``, ``"eager"``, ``"mha"``, ``"flex"``.
         logits: the softmax input ``(B, H, L, S)`` of an eager call whose scale could not be
             recovered (``scale`` is then ``None``); probe reports such a call at ``actual`` only,
             from these logits (see :mod:`probe.stats.eager_logits`). ``None`` otherwise.
@@ -57,7 +63,7 @@ class AttentionCall:
     softcap: Optional[float] = None
     output: Optional[Tensor] = None
     site: str = "root"
-    kind: str = "sdpa"
+    kind: Kind = "sdpa"
     logits: Optional[Tensor] = None
     probs: Optional[Tensor] = None
 
@@ -97,3 +103,5 @@ class AttentionCall:
             raise ValueError(f"a per-head scale needs {self.heads} values, got {self.scale.numel()}")
         if self.mask is not None and self.mask.dtype != torch.bool:
             raise ValueError(f"mask must be boolean, got {self.mask.dtype}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {sorted(KINDS)}, got {self.kind!r}")

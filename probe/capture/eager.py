@@ -35,7 +35,6 @@ head per batch row; products of 2-D matrices (no batch dim) are never taken as a
 from __future__ import annotations
 
 import dataclasses
-import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -44,7 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from probe import overrides
-from probe.call import AttentionCall
+from probe.capture.frontend import Emit, FrontEnd
+from probe.once import WarnOnce
 from probe.capture.eager_scores import (
     MASK_FILL,
     Meta,
@@ -70,7 +70,7 @@ _TB = torch._C.TensorBase  # tensor methods are intercepted as TensorBase method
 _HANDLERS = handler_names()
 
 
-class EagerFrontEnd:
+class EagerFrontEnd(FrontEnd):
     """Recovers q, k, scale, bias, mask and softcap from the ops leading into a softmax."""
 
     funcs: Tuple[Callable[..., Any], ...] = tuple(_HANDLERS)
@@ -79,12 +79,12 @@ class EagerFrontEnd:
     def __init__(self) -> None:
         self._table: Dict[int, Tuple[weakref.ref, Any]] = {}
         self._pending: List[Pending] = []
-        self._warned = False
+        self._warn_once = WarnOnce(RuntimeWarning)
 
     # -- protocol --------------------------------------------------------------------------------
     def handle(
         self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
-        emit: Optional[Callable[[AttentionCall], None]],
+        emit: Optional[Emit],
     ) -> Any:
         if emit is None and not overrides.rules_active():
             return func(*args, **kwargs)  # only applying overrides, and none reaches eager attention
@@ -108,10 +108,8 @@ class EagerFrontEnd:
         return out
 
     def _warn(self, err: Exception) -> None:
-        if not self._warned:
-            self._warned = True
-            warnings.warn(f"probe: eager attention capture skipped an op ({type(err).__name__}: {err})",
-                          RuntimeWarning, stacklevel=3)
+        self._warn_once("op", f"probe: eager attention capture skipped an op ({type(err).__name__}: {err})",
+                        stacklevel=3)
 
     def reset(self) -> None:
         """Emit what still waits for its ``P @ v``, forget every record (the capture mode exits)."""
@@ -427,7 +425,7 @@ class EagerFrontEnd:
         if call.scale is None or not isinstance(out, Tensor):
             emit(call)  # unknown scale: no counterfactual gradients either, so no need for v
             return
-        call.probs = out  # its gradient is dP itself: exact also under attention dropout
+        call = dataclasses.replace(call, probs=out)  # its gradient is dP itself: exact under dropout too
         pending = Pending(call, node.merged, emit)
         self._pending.append(pending)
         self._set(out, pending)

@@ -68,8 +68,7 @@ class Pending:
     def fire(self, v: Optional[Tensor] = None, output: Optional[Tensor] = None) -> None:
         if not self.done:
             self.done = True
-            self.call.v, self.call.output = v, output
-            self.emit(self.call)
+            self.emit(dataclasses.replace(self.call, v=v, output=output))
 
 
 def handler_names() -> Dict[Callable[..., Any], str]:

@@ -26,18 +26,16 @@ model the recorded call is replayed only if Dynamo keeps the side effect; see do
 from __future__ import annotations
 
 import math
-import warnings
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from probe.call import AttentionCall
+from probe.capture.frontend import Emit, FrontEnd
+from probe.once import WarnOnce
 
 __all__ = ["FlexFrontEnd", "flex_call"]
-
-Emit = Callable[[AttentionCall], None]
-
 
 def _hop() -> Optional[Callable[..., Any]]:
     try:
@@ -131,21 +129,25 @@ def flex_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Opt
     return AttentionCall(q=q, k=k, v=v, scale=scale, bias=bias, mask=mask, output=out, kind="flex")
 
 
-class FlexFrontEnd:
+class FlexFrontEnd(FrontEnd):
     """Intercepts FlexAttention's operator; measures each call when its module returns."""
 
     funcs: Tuple[Callable[..., Any], ...] = tuple(f for f in (_hop(),) if f is not None)
-    traceable = True  # handle() may run while Dynamo traces (see CaptureMode.__torch_function__)
+    traceable = True  # handle() runs while Dynamo traces flex's compiled region
 
     def __init__(self) -> None:
         self.pending: List[Tuple[Tuple[Any, ...], Dict[str, Any], Any]] = []
-        self._warned: Set[str] = set()
+        self._warn_once = WarnOnce()
 
-    def handle(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any], emit: Emit) -> Any:
+    def handle(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+               emit: Optional[Emit]) -> Any:
         # Traced by Dynamo inside flex's compiled region: keep to one call and one list append.
         output = func(*args, **kwargs)
         self.pending.append((args, kwargs, output))
         return output
+
+    def has_pending(self) -> bool:
+        return bool(self.pending)
 
     def drain(self, emit: Emit, site: str) -> None:
         """Measure the recorded calls (outside any compiled region and outside the capture mode).
@@ -169,8 +171,3 @@ class FlexFrontEnd:
     def reset(self) -> None:
         """Forget records of a forward that ended without its module returning (an exception)."""
         self.pending = []
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, UserWarning, stacklevel=2)

@@ -201,7 +201,7 @@ class BackwardHooks:
         entry.seen += 1
         if key not in entry.keys:
             return  # filtered out or skipped in the forward
-        call.site = entry.name
+        call = dataclasses.replace(call, site=entry.name)
         try:
             call.validate()
         except ValueError:

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from probe import overrides
 from probe.call import AttentionCall
+from probe.capture.frontend import Emit, FrontEnd
 
 __all__ = ["SDPAFrontEnd", "bind_sdpa", "sdpa_call"]
 
@@ -114,17 +115,17 @@ def lookup_sdpa(bound: Dict[str, Any]) -> Optional[overrides.Override]:
     return overrides.lookup(heads, q.shape[-1], q, keys=k.shape[-2])
 
 
-class SDPAFrontEnd:
+class SDPAFrontEnd(FrontEnd):
     """Intercepts ``F.scaled_dot_product_attention``: the model's own call runs unchanged,
     unless an override (``probe.scaling``, a variant) applies; then the rewritten call runs and
     is recorded with its effective scale. ``emit=None``: apply overrides, record nothing."""
 
     funcs = (F.scaled_dot_product_attention,)
-    applies_overrides = True  # see CaptureMode.consults_overrides
+    applies_overrides = True
 
     def handle(
         self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
-        emit: Optional[Callable[[AttentionCall], None]],
+        emit: Optional[Emit],
     ) -> Any:
         bound = bind_sdpa(args, kwargs)
         change = lookup_sdpa(bound)

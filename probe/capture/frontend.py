@@ -1,0 +1,70 @@
+"""The front-end contract: what :class:`~probe.capture.mode.CaptureMode` may ask of a front end.
+
+A front end turns one style of attention (SDPA, eager ops, ``nn.MultiheadAttention``,
+FlexAttention) into :class:`~probe.call.AttentionCall` records. It subclasses :class:`FrontEnd`,
+sets :attr:`~FrontEnd.funcs` and implements :meth:`~FrontEnd.handle`; every other capability has a
+no-op default, so a front end overrides only what it needs. The front ends every probe uses are
+listed in :data:`probe.capture.registry.FRONT_ENDS` (a new front end is one file there plus one
+case in ``tests/capture/test_conformance.py``; see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
+
+from torch import nn
+
+from probe.call import AttentionCall
+
+__all__ = ["Emit", "FrontEnd", "NamedSite"]
+
+#: Receives each record; ``None`` when the mode only applies overrides (records nothing).
+Emit = Callable[[AttentionCall], None]
+#: ``named_site(name)``: calls emitted inside the context are attributed to ``name``.
+NamedSite = Callable[[str], ContextManager[None]]
+
+
+class FrontEnd:
+    """Base class of the capture front ends (no-op defaults).
+
+    Attributes:
+        funcs: the functions the capture mode routes to :meth:`handle` (torch functions, tensor
+            methods, higher-order operators).
+        applies_overrides: :meth:`handle` looks up and applies :mod:`probe.overrides` itself, so
+            an intervention mode above a recording mode leaves these calls to it.
+        traceable: :meth:`handle` may run while Dynamo traces (inside a compiled region); it must
+            then keep to what Dynamo can replay (FlexAttention: one list append).
+    """
+
+    funcs: Tuple[Callable[..., Any], ...] = ()
+    applies_overrides: bool = False
+    traceable: bool = False
+
+    def handle(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+               emit: Optional[Emit]) -> Any:
+        """Run ``func(*args, **kwargs)`` (or the call an override rewrites it into) and return
+        its result unchanged; pass the records it makes to ``emit`` (when not ``None``).
+
+        Pitfall: never raise because of bookkeeping, never change the model's outputs.
+        """
+        raise NotImplementedError
+
+    def has_pending(self) -> bool:
+        """Whether calls were recorded that :meth:`drain` must still measure."""
+        return False
+
+    def drain(self, emit: Emit, site: str) -> None:
+        """Measure recorded calls now (at a module boundary, outside any compiled region and with
+        the capture mode paused); ``site`` is the module that issued them."""
+
+    def reset(self) -> None:
+        """Forget per-forward state (the capture mode exits)."""
+
+    def runs_fused(self, module: nn.Module, args: Tuple[Any, ...]) -> bool:
+        """Whether ``module`` must run PyTorch's fused kernel outside the capture mode (its
+        input is a nested tensor); :meth:`measure_fused` then measures it."""
+        return False
+
+    def measure_fused(self, module: nn.Module, name: str, args: Tuple[Any, ...], emit: Emit,
+                      named_site: NamedSite) -> None:
+        """Emit the attention of a module claimed by :meth:`runs_fused`, from its weights."""

@@ -1,0 +1,22 @@
+"""The registration list of capture front ends: every probe routes attention through these."""
+
+from __future__ import annotations
+
+from typing import List, Tuple, Type
+
+from probe.capture.eager import EagerFrontEnd
+from probe.capture.flex import FlexFrontEnd
+from probe.capture.frontend import FrontEnd
+from probe.capture.mha import MHAFrontEnd
+from probe.capture.sdpa import SDPAFrontEnd
+
+__all__ = ["FRONT_ENDS", "default_frontends"]
+
+#: Every front end, one instance per probe (they keep per-forward state). Adding a front end:
+#: one file under probe/capture/, one entry here, one case in tests/capture/test_conformance.py.
+FRONT_ENDS: Tuple[Type[FrontEnd], ...] = (SDPAFrontEnd, EagerFrontEnd, MHAFrontEnd, FlexFrontEnd)
+
+
+def default_frontends() -> List[FrontEnd]:
+    """Fresh instances of :data:`FRONT_ENDS`."""
+    return [cls() for cls in FRONT_ENDS]
