@@ -28,10 +28,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple, Uni
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
-from probe.capture.mode import CaptureMode, SitesFilter, default_frontends, site_filter, site_names
+from probe.capture.mode import CaptureMode
+from probe.capture.registry import default_frontends
+from probe.capture.sites import SiteStack, SitesFilter, site_filter, site_names
 from probe.errors import ProbeError
+from probe.once import WarnOnce
 from probe.overrides import ModuleOverride, active, push_module_override, push_rule, reset_module_override, reset_rule
 
 __all__ = [
@@ -61,60 +63,6 @@ def modules_by_site(root: nn.Module) -> Dict[str, nn.Module]:
     for module_id, name in site_names(root).items():
         out.setdefault(name, by_id[module_id])
     return out
-
-
-class SiteStack:
-    """The running modules of one model, kept by global forward hooks while a context is active.
-
-    Names sites as probe does (the qualified name of the innermost running module of the model;
-    ``root`` for the model itself; a call index per module invocation), but lives across many
-    root forwards: the root's call counter restarts at each root forward, and calls made while
-    the root is not running (another model) belong to no site. Kept apart from probe's own
-    stack so that interventions work with or without a probe, and never touch its mode.
-    """
-
-    def __init__(self, root: nn.Module) -> None:
-        self._root = root
-        self._names: Dict[int, str] = {}
-        self._stack: List[List[Any]] = []  # [module id, name, calls issued]
-        self._handles: List[RemovableHandle] = []
-        self.root_running = 0
-
-    def activate(self) -> None:
-        self._names = site_names(self._root)  # probe's own naming (wrapper prefixes stripped)
-        self._stack, self.root_running = [], 0
-        self._handles = [
-            nn.modules.module.register_module_forward_pre_hook(self._push),
-            nn.modules.module.register_module_forward_hook(self._pop, always_call=True),
-        ]
-
-    def deactivate(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._stack, self.root_running = [], [], 0
-
-    def _push(self, module: nn.Module, args: Any) -> None:
-        if module is self._root:
-            if self.root_running == 0:
-                self._stack = [[id(module), "root", 0]]
-            self.root_running += 1
-            return
-        name = self._names.get(id(module))
-        if name is not None and self.root_running:
-            self._stack.append([id(module), name, 0])
-
-    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
-        if module is self._root:
-            self.root_running = max(0, self.root_running - 1)
-        elif len(self._stack) > 1 and self._stack[-1][0] == id(module):
-            self._stack.pop()
-
-    def next_site(self) -> Tuple[str, int]:
-        """(qualified name, index of this call within the module's current invocation)."""
-        top: List[Any] = self._stack[-1] if self._stack else [id(self._root), "root", 0]
-        index = int(top[2])
-        top[2] += 1
-        return str(top[1]), index
 
 
 # -- probe.scaling -----------------------------------------------------------------------------
@@ -170,7 +118,7 @@ class Scaling:
         self._on_device: Dict[Tuple[torch.device, torch.dtype], Tensor] = {}
         self._seen: Set[str] = set()
         self._matched: Set[str] = set()
-        self._left: Set[str] = set()  # eager sites left unchanged (soft cap, unknown scale): warned once
+        self._left = WarnOnce()  # eager sites left unchanged (soft cap, unknown scale)
 
     # the ScaleRule of probe.overrides: called by lookup, once per attention call while active
     def resolve(self, heads: int, d_k: int, like: Tensor) -> Tuple[Optional[str], Union[None, float, Tensor]]:
@@ -212,18 +160,11 @@ class Scaling:
         return name, None if isinstance(spec, str) else spec
 
     def left_unchanged(self, site: str) -> None:
-        if site not in self._left:
-            self._left.add(site)
-            warnings.warn(
-                f"probe.scaling: eager attention at site {site!r} has a soft cap or an op probe cannot "
-                "describe between q·kᵀ and the softmax; it runs at its own scale (NOT rewritten)",
-                UserWarning,
-                stacklevel=5,
-            )
+        self._left(site, f"probe.scaling: eager attention at site {site!r} has a soft cap or an op probe cannot "
+                   "describe between q·kᵀ and the softmax; it runs at its own scale (NOT rewritten)", stacklevel=5)
 
     def __enter__(self) -> "Scaling":
-        self._stack.activate()
-        self._stack.root_running = 0
+        self._stack.activate()  # the root is not running yet: calls before it belong to no site
         self._token = push_rule(self)
         self._mode = InterventionMode()
         self._mode.__enter__()
@@ -303,4 +244,4 @@ class InterventionMode(CaptureMode):
     """
 
     def __init__(self) -> None:
-        super().__init__([f for f in default_frontends() if getattr(f, "applies_overrides", False)], None)
+        super().__init__([f for f in default_frontends() if f.applies_overrides], None)

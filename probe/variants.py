@@ -45,14 +45,9 @@ from torch.utils.hooks import RemovableHandle
 from probe.capture.mode import SitesFilter, site_filter
 from probe.capture.sdpa import bind_sdpa
 from probe.errors import ProbeError
-from probe.intervene import (
-    InterventionMode,
-    ModuleOverride,
-    SiteStack,
-    modules_by_site,
-    push_module_override,
-    reset_module_override,
-)
+from probe.capture.sites import SiteStack
+from probe.intervene import InterventionMode, modules_by_site
+from probe.overrides import ModuleOverride, push_module_override, reset_module_override
 
 __all__ = ["SCALE_PARAM", "BIAS_PARAM", "Variant", "headwise", "scale_bias"]
 

@@ -37,8 +37,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import warnings
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -46,11 +45,10 @@ from torch import Tensor, nn
 
 from probe import overrides
 from probe.call import AttentionCall
+from probe.capture.frontend import Emit, FrontEnd, NamedSite
+from probe.once import WarnOnce
 
 __all__ = ["MHAFrontEnd", "lookup_mha", "mha_forward", "mirrors", "nested_self_attention_call"]
-
-Emit = Callable[[AttentionCall], None]
-
 
 def _heads_view(t: Tensor, bsz: int, heads: int) -> Tensor:
     """``(B*H, N, E)`` → ``(B, H, N, E)`` (a view, as PyTorch's SDPA branch takes it)."""
@@ -348,7 +346,7 @@ def lookup_mha(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[overri
     return overrides.lookup(heads, embed_dim // heads, q, variants=False)
 
 
-class MHAFrontEnd:
+class MHAFrontEnd(FrontEnd):
     """Intercepts ``F.multi_head_attention_forward`` (every ``nn.MultiheadAttention`` call).
 
     The site is the innermost module running, i.e. the ``nn.MultiheadAttention`` itself
@@ -361,7 +359,7 @@ class MHAFrontEnd:
     applies_overrides = True
 
     def __init__(self) -> None:
-        self._warned: Set[str] = set()
+        self._warn_once = WarnOnce()
         self.pending: List[str] = []  # fused kernels called directly, named at the next module boundary
 
     def handle(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
@@ -389,6 +387,9 @@ class MHAFrontEnd:
                 return func(*args, **kwargs)
             return mha_forward(*args, **kwargs, emit=emit, scale_override=change.scale)
 
+    def has_pending(self) -> bool:
+        return bool(self.pending)
+
     def runs_fused(self, module: nn.Module, args: Tuple[Any, ...]) -> bool:
         """Whether ``module`` gets a nested-tensor input, which only PyTorch's fused path accepts.
 
@@ -402,7 +403,7 @@ class MHAFrontEnd:
         return isinstance(module, nn.MultiheadAttention)
 
     def measure_fused(self, module: nn.Module, name: str, args: Tuple[Any, ...], emit: Emit,
-                      site: Callable[[str], ContextManager[None]]) -> None:
+                      named_site: NamedSite) -> None:
         """Emit the attention of a module that runs a fused kernel on nested input ``args[0]``.
 
         A ``TransformerEncoderLayer`` is reported at its ``self_attn`` child's name, as on the
@@ -418,7 +419,7 @@ class MHAFrontEnd:
                 if module.norm_first:
                     with torch.no_grad():
                         x = module.norm1(x)
-                context: ContextManager[None] = site(f"{name}.self_attn")
+                context: ContextManager[None] = named_site(f"{name}.self_attn")
             else:
                 context = contextlib.nullcontext()
             call = nested_self_attention_call(mha, x)
@@ -440,8 +441,3 @@ class MHAFrontEnd:
 
     def reset(self) -> None:
         self.pending = []
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, UserWarning, stacklevel=4)

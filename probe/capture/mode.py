@@ -1,26 +1,31 @@
-"""Scoping of capture: the TorchFunctionMode over a sampled root forward, and site naming.
+"""Scoping of capture: the TorchFunctionMode over a sampled root forward, and its site stack.
 
 The mode is entered only on sampled steps (by :class:`probe.Probe`'s root hooks), so an
 unsampled step pays nothing but two Python hook calls. While it is active, global module
-forward hooks keep a stack of the running modules of the watched model: the site of a call is
-the qualified name of the innermost one.
+forward hooks keep a stack of the running modules of the watched model (:class:`ModuleStack`, a
+:class:`~probe.capture.sites.SiteStack`): the site of a call is the qualified name of the
+innermost one. The mode routes the functions front ends intercept to them
+(:class:`~probe.capture.frontend.FrontEnd`); with ``emit=None`` it only applies overrides.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.hooks import RemovableHandle
 
-from probe.call import AttentionCall
+from probe.capture.frontend import Emit, FrontEnd
+from probe.capture.sites import SiteStack, SitesFilter, WRAPPER_ATTRS, site_filter, site_names
 from probe.overrides import is_applying
 
-__all__ = ["CaptureMode", "FrontEnd", "ModuleStack", "SitesFilter", "WRAPPER_ATTRS", "site_filter", "site_names"]
+__all__ = [  # the site names are re-exported from probe.capture.sites
+    "CaptureMode", "ModuleStack", "SitesFilter", "WRAPPER_ATTRS", "in_front_end", "is_mode_active", "site_filter",
+    "site_names",
+]
 
 #: True while a front end handles an intercepted call. Interventions (``probe.intervene``) are then
 #: the front end's to apply or not: an intervention mode never rewrites the calls a front end makes
@@ -33,86 +38,36 @@ def in_front_end() -> bool:
     return _IN_FRONT_END.get()
 
 
-FrontEnd = Any  # an object with ``funcs`` (a tuple of callables) and ``handle(func, args, kwargs, emit)``
-
-
-#: Which sites to keep: a glob, a list of names or globs, or a predicate on the site name.
-SitesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
-
-
-def site_filter(sites: SitesFilter) -> Optional[Callable[[str], bool]]:
-    """A predicate on site names from a ``sites=`` argument (``None`` keeps every site).
-
-    Raises:
-        ProbeError: for anything but a glob, a list of names/globs or a callable.
-    """
-    import fnmatch
-
-    from probe.errors import ProbeError
-
-    if sites is None:
-        return None
-    if isinstance(sites, str):
-        return lambda name: fnmatch.fnmatchcase(name, sites)
-    if isinstance(sites, (list, tuple, set, frozenset)) and all(isinstance(s, str) for s in sites):
-        patterns = list(sites)
-        return lambda name: any(fnmatch.fnmatchcase(name, p) for p in patterns)
-    if callable(sites):
-        return sites
-    raise ProbeError(f"expected `sites` to be a glob, a list of names/globs or a predicate, got {sites!r}")
-
-
-class ModuleStack:
-    """The running modules of one model, maintained by global forward hooks while active.
-
-    Each entry counts the attention calls its module issued in the current invocation, so a
-    module that issues several gets call indices 0, 1, ... (reported as ``#1``, ``#2``).
-    """
+class ModuleStack(SiteStack):
+    """The site stack of a probe's capture: activated inside the root's forward on a sampled
+    step; at module boundaries it lets front ends measure what they could only record, and lets
+    modules that need PyTorch's fused kernel run it."""
 
     def __init__(self, root: nn.Module) -> None:
-        self._root = root
-        self._names: Dict[int, str] = {}
-        self._stack: List[List[Any]] = []  # [module id, name, calls issued]
-        self._handles: List[RemovableHandle] = []
+        super().__init__(root)
         self._suspended: Optional[Tuple[int, "CaptureMode"]] = None  # (module id, popped mode)
 
-    def activate(self) -> None:
-        # Re-read the module tree each sampled step: modules may have been added since.
-        self._names = site_names(self._root)
-        self._stack = [[id(self._root), "root", 0]]
-        self._handles = [
-            nn.modules.module.register_module_forward_pre_hook(self._push),
-            nn.modules.module.register_module_forward_hook(self._pop, always_call=True),
-        ]
+    def activate(self, inside_root: bool = True) -> None:
+        super().activate(inside_root)
 
     def deactivate(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._stack = []
+        super().deactivate()
         self._suspended = None
 
-    @property
-    def active(self) -> bool:
-        return bool(self._handles)
+    def _entering(self) -> None:
+        if self._stack:
+            self._drain()  # calls recorded so far belong to the running module, not this child
 
-    def _push(self, module: nn.Module, args: Any) -> None:
-        name = self._names.get(id(module))
-        if name is not None and module is not self._root:  # the root is the stack's bottom
-            if self._stack:
-                self._drain()  # calls recorded so far belong to the running module, not this child
-            self._stack.append([id(module), name, 0])
-            if self._suspended is None:
-                self._maybe_run_fused(module, name, args)
+    def _entered(self, module: nn.Module, name: str, args: Any) -> None:
+        if self._suspended is None:
+            self._maybe_run_fused(module, name, args)
 
-    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _leaving(self, module: nn.Module) -> None:
         if self._suspended is not None and self._suspended[0] == id(module):
             torch._C._push_on_torch_function_stack(self._suspended[1])
             self._suspended = None
         if self._stack and self._stack[-1][0] == id(module):
             self._drain()
-        if len(self._stack) > 1 and self._stack[-1][0] == id(module):
-            self._stack.pop()
 
     def _drain(self) -> None:
         """Let front ends measure calls they could only record (FlexAttention, whose operator
@@ -137,13 +92,13 @@ class ModuleStack:
         mode = torch._C._get_function_stack_at(n - 1) if n else None
         if not isinstance(mode, CaptureMode) or not mode.recording:
             return
-        claims = (f for f in dict.fromkeys(mode._routes.values()) if hasattr(f, "runs_fused"))
-        frontend = next((f for f in claims if f.runs_fused(module, args)), None)
+        frontend = next((f for f in mode.frontends if f.runs_fused(module, args)), None)
         if frontend is None:
             return
         torch._C._pop_torch_function_stack()
         self._suspended = (id(module), mode)
-        frontend.measure_fused(module, name, args, mode._emit, self.named_site)
+        assert mode.emit is not None  # a recording mode
+        frontend.measure_fused(module, name, args, mode.emit, self.named_site)
 
     @contextlib.contextmanager
     def named_site(self, name: str) -> Iterator[None]:
@@ -153,40 +108,6 @@ class ModuleStack:
             yield
         finally:
             self._stack.pop()
-
-    def next_site(self) -> Tuple[str, int]:
-        """(qualified name, index of this call within the module's current invocation)."""
-        top = self._stack[-1] if self._stack else [id(self._root), "root", 0]
-        index = top[2]
-        top[2] += 1
-        return top[1], index
-
-
-#: Attributes through which wrappers hold the module they wrap: torch.compile's OptimizedModule,
-#: FSDP1, activation checkpointing. Sites are named as for the bare model.
-WRAPPER_ATTRS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
-
-
-def site_names(root: nn.Module) -> Dict[int, str]:
-    """id(module) → site name: its qualified name in ``root`` without wrapper segments.
-
-    ``DistributedDataParallel`` / ``DataParallel`` hold the model as ``module``, so
-    ``probe.watch(ddp_model)`` (or ``probe.watch(torch.compile(ddp_model))``) names sites
-    ``layers.0``, not ``module.layers.0``; the :data:`WRAPPER_ATTRS` are dropped anywhere in the tree. The wrapped module itself is named like its
-    wrapper (a call issued directly by the wrapped root is ``root``).
-    """
-    modules = dict(root.named_modules())
-    names: Dict[int, str] = {}
-    for name, module in modules.items():
-        parts: List[str] = []
-        path = ""
-        for part in name.split(".") if name else []:
-            parallel = isinstance(modules.get(path), (nn.parallel.DistributedDataParallel, nn.DataParallel))
-            if part not in WRAPPER_ATTRS and not (parallel and part == "module"):
-                parts.append(part)
-            path = f"{path}.{part}" if path else part
-        names[id(module)] = ".".join(parts) or "root"
-    return names
 
 
 class CaptureMode(TorchFunctionMode):
@@ -202,17 +123,16 @@ class CaptureMode(TorchFunctionMode):
     front end that applies overrides itself (probe then records the overridden scale).
     """
 
-    def __init__(self, frontends: Sequence[FrontEnd], emit: Optional[Callable[[AttentionCall], None]]) -> None:
+    def __init__(self, frontends: Sequence[FrontEnd], emit: Optional[Emit]) -> None:
         super().__init__()
         self._routes: Dict[Callable[..., Any], FrontEnd] = {}
         for frontend in frontends:
             for func in frontend.funcs:
                 self._routes[func] = frontend
-        self._frontends = list(frontends)
-        self._emit = emit
+        self.frontends: List[FrontEnd] = list(frontends)
+        self.emit = emit
         self.recording = emit is not None
-        self._traceable = [(f, fe) for fe in frontends if getattr(fe, "traceable", False) for f in fe.funcs]
-        self._recording = [fe for fe in frontends if hasattr(fe, "pending") and hasattr(fe, "drain")]
+        self._traceable = [(f, fe) for fe in frontends if fe.traceable for f in fe.funcs]
         self._paused = False
 
     def __exit__(self, *exc: Any) -> None:
@@ -220,10 +140,8 @@ class CaptureMode(TorchFunctionMode):
         try:
             super().__exit__(*exc)
         finally:
-            for frontend in self._frontends:
-                reset = getattr(frontend, "reset", None)
-                if reset is not None:
-                    reset()
+            for frontend in self.frontends:
+                frontend.reset()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -234,7 +152,7 @@ class CaptureMode(TorchFunctionMode):
             # operator even in eager mode): only front ends marked ``traceable`` may act there.
             for traced, frontend in self._traceable:
                 if func is traced:
-                    return frontend.handle(func, args, kwargs, self._emit)
+                    return frontend.handle(func, args, kwargs, self.emit)
             return func(*args, **kwargs)
         frontend = self._routes.get(func)
         if frontend is None:
@@ -243,23 +161,25 @@ class CaptureMode(TorchFunctionMode):
             return func(*args, **kwargs)
         token = _IN_FRONT_END.set(True)
         try:
-            return frontend.handle(func, args, kwargs, self._emit)
+            return frontend.handle(func, args, kwargs, self.emit)
         finally:
             _IN_FRONT_END.reset(token)
 
     def pending(self) -> bool:
-        """Whether a front end holds calls recorded but not yet measured (``pending`` list)."""
-        return any(f.pending for f in self._recording)
+        """Whether a front end holds calls recorded but not yet measured."""
+        return any(f.has_pending() for f in self.frontends)
 
     def drain(self, site: str) -> None:
-        """Have front ends with ``drain(emit, site)`` measure their recorded calls now, with this
+        """Have front ends measure their recorded calls now (:meth:`FrontEnd.drain`), with this
         mode passing every function through (it may sit below another mode: it is paused, not
         popped)."""
+        if self.emit is None:
+            return
         self._paused = True
         try:
-            for frontend in self._recording:
-                if frontend.pending:
-                    frontend.drain(self._emit, site)
+            for frontend in self.frontends:
+                if frontend.has_pending():
+                    frontend.drain(self.emit, site)
         finally:
             self._paused = False
 
@@ -267,7 +187,8 @@ class CaptureMode(TorchFunctionMode):
         """Whether this mode records and its front end for ``func`` applies overrides itself
         (its class sets ``applies_overrides = True``), so an intervention mode above this one
         must leave the call to it: probe then records the overridden scale as ``actual``."""
-        return self.recording and bool(getattr(self._routes.get(func), "applies_overrides", False))
+        frontend = self._routes.get(func)
+        return self.recording and frontend is not None and frontend.applies_overrides
 
 
 def _recorder_below(func: Callable[..., Any]) -> bool:
@@ -275,16 +196,6 @@ def _recorder_below(func: Callable[..., Any]) -> bool:
     from torch.overrides import _get_current_function_mode_stack
 
     return any(isinstance(m, CaptureMode) and m.consults_overrides(func) for m in _get_current_function_mode_stack())
-
-
-def default_frontends() -> List[FrontEnd]:
-    """The front ends every probe uses."""
-    from probe.capture.eager import EagerFrontEnd
-    from probe.capture.flex import FlexFrontEnd
-    from probe.capture.mha import MHAFrontEnd
-    from probe.capture.sdpa import SDPAFrontEnd
-
-    return [SDPAFrontEnd(), EagerFrontEnd(), MHAFrontEnd(), FlexFrontEnd()]
 
 
 def is_mode_active(mode: Optional[TorchFunctionMode]) -> bool:
