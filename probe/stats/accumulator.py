@@ -1,8 +1,9 @@
 """Running per-site state: how each field combines across calls, steps and ranks.
 
-A site's state is a dict of named tensors with one value per head. How a field combines is
-declared by its name, so the device accumulator, the host totals and the cross-rank reduction
-share one rule:
+A site's state is a dict of named tensors with one value per head, ``{field}@{scale}``. How a
+field combines is declared once, by its metric in the catalogue
+(:func:`probe.metrics.field_reduction`), so the device accumulator, the host totals and the
+cross-rank reduction share one rule:
 
 ==================  ==========  ===============================================
 field               reduction   content
@@ -21,6 +22,7 @@ from typing import Dict, Hashable, List, Tuple
 import torch
 from torch import Tensor
 
+from probe.metrics import field_reduction
 from probe.stats.functional import combine_moments
 
 __all__ = ["Accumulator", "State", "combine", "merge_states", "reduction", "unpack"]
@@ -30,14 +32,9 @@ Layout = List[Tuple[Hashable, str, Tuple[int, ...]]]
 
 
 def reduction(field: str) -> str:
-    """The reduction of a field, from its name: ``moments``, ``max``, ``last`` or ``sum``."""
-    if field.startswith("logit@"):
-        return "moments"
-    if field.startswith("logit_max@"):
-        return "max"
-    if field == "scale":
-        return "last"
-    return "sum"
+    """The reduction of a field (:func:`probe.metrics.field_reduction`): ``moments``, ``max``,
+    ``last`` or ``sum``."""
+    return field_reduction(field)
 
 
 def combine(field: str, a: Tensor, b: Tensor) -> Tensor:

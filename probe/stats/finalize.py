@@ -1,4 +1,8 @@
-"""From accumulated state to reported metrics (pure functions on host tensors)."""
+"""From accumulated state to reported metrics (pure functions on host tensors).
+
+Which metric a field belongs to and how it is reported is the catalogue's
+(:mod:`probe.metrics`); this module does the arithmetic.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +11,13 @@ from typing import Dict
 import numpy as np
 import torch
 
+from probe.metrics import METRIC_ORDER, METRICS, field_spec, head_reduce
 from probe.stats.accumulator import State
 
 __all__ = ["HEAD_REDUCTION", "METRIC_ORDER", "finalize", "head_reduce"]
 
-#: Every metric probe reports, in report order (grad metrics only after a backward pass).
-METRIC_ORDER = (
-    "logit_var", "logit_max", "entropy", "max_prob", "saturation", "nonfinite",
-    "grad_logits", "grad_q", "grad_k", "grad_v",
-)
-
-# Rows-normalized sums: field prefix → metric name.
-_PER_ROW = {"entropy": "entropy", "max_prob": "max_prob", "saturated": "saturation"}
-
-#: How a metric's per-head values fold into one scalar (TensorBoard head summaries, reports).
-HEAD_REDUCTION = {"logit_max": "max", "nonfinite": "sum"}
+#: How a metric's per-head values fold into one scalar, where not the mean (see probe.metrics).
+HEAD_REDUCTION = {m.name: m.heads for m in METRICS if m.heads != "mean"}
 
 
 def finalize(state: State) -> Dict[str, Dict[str, np.ndarray]]:
@@ -36,34 +32,27 @@ def finalize(state: State) -> Dict[str, Dict[str, np.ndarray]]:
     for field, value in state.items():
         name, _, scale = field.partition("@")
         scale = scale or "actual"
+        metric = field_spec(field)
         v = value.detach().to("cpu", torch.float64)
-        if name == "logit":
+        if metric is None:
+            if name.endswith("_sq"):  # a norm outside the catalogue
+                out.setdefault(name[: -len("_sq")], {})[scale] = v.clamp(min=0).sqrt().numpy()
+            continue
+        if metric.final == "var":
             n, _, m2 = v
             res = torch.where(n > 0, m2 / n.clamp(min=1), torch.nan)
-            out.setdefault("logit_var", {})[scale] = res.numpy()
-        elif name == "logit_max":
+        elif metric.final == "max":
             n = state[f"logit@{scale}"][0].detach().to("cpu", torch.float64)
-            out.setdefault("logit_max", {})[scale] = torch.where(n > 0, v, torch.nan).numpy()
-        elif name in _PER_ROW and rows is not None:
+            res = torch.where(n > 0, v, torch.nan)
+        elif metric.final == "per_row":
+            if rows is None:
+                continue
             r = rows.detach().to("cpu", torch.float64)
-            out.setdefault(_PER_ROW[name], {})[scale] = torch.where(r > 0, v / r.clamp(min=1), torch.nan).numpy()
-        elif name.endswith("_sq"):
-            out.setdefault(name[: -len("_sq")], {})[scale] = v.clamp(min=0).sqrt().numpy()
-        elif name == "nonfinite":
-            out.setdefault("nonfinite", {})[scale] = v.numpy()
+            res = torch.where(r > 0, v / r.clamp(min=1), torch.nan)
+        elif metric.final == "root":
+            res = v.clamp(min=0).sqrt()
+        else:
+            res = v
+        out.setdefault(metric.name, {})[scale] = res.numpy()
     order = {m: i for i, m in enumerate(METRIC_ORDER)}
     return {m: out[m] for m in sorted(out, key=lambda m: (order.get(m, len(order)), m))}
-
-
-def head_reduce(metric: str, values: np.ndarray) -> float:
-    """One number for all heads: the max for ``logit_max``, the sum for ``nonfinite``, else the
-    mean; NaN heads are ignored (NaN only when every head is)."""
-    kind = HEAD_REDUCTION.get(metric, "mean")
-    finite = values[~np.isnan(values)]
-    if finite.size == 0:
-        return float("nan")
-    if kind == "max":
-        return float(finite.max())
-    if kind == "sum":
-        return float(finite.sum())
-    return float(finite.mean())
