@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import copy
 import os
 import warnings
 import weakref
@@ -12,13 +11,16 @@ from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Set, 
 import torch
 from torch import Tensor, nn
 
-from probe.capture.mode import CaptureMode, ModuleStack, SitesFilter, default_frontends, site_filter
+from probe.capture.mode import CaptureMode, ModuleStack, SitesFilter, site_filter
+from probe.capture.registry import default_frontends
 from probe.compiled import EagerSteps, check_model, is_compiled, outside_graph
 from probe.distributed import resolve_group
 from probe.errors import ProbeError
+from probe.once import WarnOnce
 from probe.options import BUILTIN_SCALES, ExtraScale, check_int, check_scales
 from probe.recorder import Recorder
 from probe.results import Results, pending_states
+from probe.schedule import Action, Schedule
 from probe.sinks.base import Sink, SinkGuard, Worker
 from probe.stats.accumulator import State
 from probe.summary import SUMMARY_FILE, Summary
@@ -83,6 +85,7 @@ class Probe:
         check_model(model)
         self.every = check_int("every", every, 1)
         self.flush_every = check_int("flush_every", flush_every, 1)
+        self._schedule = Schedule(self.every, self.flush_every)
         self.memory_budget = check_int("memory_budget", memory_budget, 1)
         self.rows = None if rows is None else check_int("rows", rows, 1)
         if isinstance(saturation, bool) or not isinstance(saturation, (int, float)) or not 0 < saturation <= 1:
@@ -117,7 +120,7 @@ class Probe:
         self._eager = EagerSteps()  # torch.compile: sampled steps run eagerly (probe.compiled)
         self._eager.attach(model)
         self._emitted_before = 0
-        self._warned_compiled: Set[str] = set()
+        self._warned_compiled = WarnOnce()
         self._results = Results()
         self._worker = Worker()
         self._rec = Recorder(model, self._stack, self._frontends, extra_scales=self.extra_scales,
@@ -188,12 +191,11 @@ class Probe:
             self._window.append(n)
         self._eager.arm(self._sampled())
 
-    def _sampled(self) -> bool:
-        return self._step % self.every == 0
+    def _sampled(self, step: Optional[int] = None) -> bool:
+        return self._schedule(self._step if step is None else step) is Action.RECORD
 
     def _maybe_flush(self) -> None:
-        # A window is complete once the step moved past it and it holds flush_every steps.
-        if self._window and self._window[-1] != self._step and len(self._window) >= self.flush_every:
+        if self._schedule.flush_due(self._window, self._step):
             self._flush()
 
     # -- root hooks ----------------------------------------------------------------------------
@@ -249,12 +251,10 @@ class Probe:
                                     "captured in this compiled or scripted model: its graph does not run probe's "
                                     "capture (TorchScript, an exported or AOT-compiled artifact?). Watch the "
                                     "nn.Module, or the torch.compile'd module, instead.")
-            self._eager.arm(((self._step + 1) if self._auto_step else self._step) % self.every == 0)
+            self._eager.arm(self._sampled((self._step + 1) if self._auto_step else self._step))
 
     def _warn_compiled(self, kind: str, message: str) -> None:
-        if kind not in self._warned_compiled:
-            self._warned_compiled.add(kind)
-            warnings.warn(message, UserWarning, stacklevel=3)
+        self._warned_compiled(kind, message, stacklevel=3)
 
     def _stop_capture(self) -> None:
         if self._mode is not None:
@@ -277,7 +277,7 @@ class Probe:
         flat, layout = acc.pack()
         acc.reset()
         names = {key: self._rec.site_name(key) for key, _, _ in layout}
-        infos = copy.deepcopy(self._rec.infos)
+        infos = self._rec.info_dicts()
         host, event = _to_host(flat)
         step = window[-1]
         steps = len(window)
@@ -288,7 +288,7 @@ class Probe:
         that it is ordered with the training's own collectives), then hand it to the worker."""
         assert self._dist is not None
         step = window[-1] if window else self._step
-        flat, layout, infos = self._dist.reduce(self._rec.acc.states, self._rec.infos, step)
+        flat, layout, infos = self._dist.reduce(self._rec.acc.states, self._rec.info_dicts(), step)
         self._rec.acc.reset()
         self._rec.multi.update(self._dist.multi_names())  # "#n" suffixes as any rank saw them
         if not layout:
@@ -334,7 +334,7 @@ class Probe:
         if rec.acc and local:
             flat, layout = rec.acc.pack()
             pending = pending_states(flat, layout, {key: rec.site_name(key) for key, _, _ in layout})
-        infos = {rec.site_name(key): info for key, info in rec.infos.items()} if local else {}
+        infos = {rec.site_name(key): info for key, info in rec.info_dicts().items()} if local else {}
         steps = len(self._probed_steps | (set(self._window) if local else set()))
         meta = {"every": self.every, "saturation": self.saturation, "scales": list(BUILTIN_SCALES) + list(self.extra_scales)}
         return self._results.summary(pending, infos, steps, meta)

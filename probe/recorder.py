@@ -10,7 +10,7 @@ backward statistics.
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
 from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
@@ -19,16 +19,52 @@ from torch import Tensor, nn
 from probe.call import AttentionCall, Scale
 from probe.capture.grads import BackwardHooks
 from probe.capture.mode import ModuleStack
+from probe.once import WarnOnce
 from probe.options import ExtraScale
 from probe.stats.accumulator import Accumulator, State
 from probe.stats.functional import forward_stats
 from probe.stats.grads import grad_logits_stats, head_sq
 
-__all__ = ["GradHooks", "Recorder", "SiteKey", "grad_scales"]
+__all__ = ["GradHooks", "Recorder", "SiteInfo", "SiteKey", "grad_scales"]
 
 SiteKey = Tuple[str, int]  # (module name, call index within one invocation)
 #: ``add(site_key, step, fields)``: folds backward fields into the running state.
 AddFields = Callable[[Hashable, int, Dict[str, Tensor]], None]
+
+
+@dataclasses.dataclass
+class SiteInfo:
+    """What is known about one site (reported as ``summary.info(site)``).
+
+    Attributes:
+        kind: the front end that made its records.
+        heads, kv_heads, d_k: its shapes.
+        scale: the actual scale as a float (``None`` when per head or not recovered).
+        calls: how many calls were recorded.
+        softcap: the logit soft cap, when the site has one.
+        rows: a note when query rows were sampled (``rows=``).
+        grad_kv_heads: values of ``grad_k``/``grad_v`` (kv heads), once a backward was seen.
+    """
+
+    kind: str
+    heads: int
+    kv_heads: int
+    d_k: int
+    scale: Optional[float] = None
+    calls: int = 0
+    softcap: Optional[float] = None
+    rows: Optional[str] = None
+    grad_kv_heads: Optional[int] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON form (optional fields only when set)."""
+        out: Dict[str, Any] = {"kind": self.kind, "heads": self.heads, "kv_heads": self.kv_heads,
+                               "d_k": self.d_k, "scale": self.scale, "calls": self.calls}
+        for name in ("softcap", "rows", "grad_kv_heads"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
 
 
 def grad_scales(call: AttentionCall, scales: Mapping[str, Optional[Scale]]) -> Dict[str, Optional[Scale]]:
@@ -119,14 +155,14 @@ class Recorder:
         self._warn = warn
         self._row_generator = torch.Generator().manual_seed(0)  # row sampling, reproducible
         self.acc = Accumulator()
-        self.infos: Dict[SiteKey, Dict[str, Any]] = {}
+        self.infos: Dict[SiteKey, SiteInfo] = {}
         self.multi: Set[str] = set()  # modules seen issuing several calls in one invocation
         self.filtered_out: Set[str] = set()
         self.window: List[int] = []  # sampled steps whose statistics sit in the accumulator
         self.step = 0
         self.emitted = 0  # attention calls seen, to detect a compiled graph that hides them
         self.grad_hooks = GradHooks(self._add_grads, warn)
-        self._warned_unknown_scale: Set[str] = set()
+        self._warn_unknown_scale = WarnOnce()
 
     def scales_for(self, call: AttentionCall) -> Dict[str, Scale]:
         scales: Dict[str, Scale] = {"actual": call.scale, "unscaled": 1.0, "standard": call.standard_scale}
@@ -146,7 +182,7 @@ class Recorder:
             self.window.append(self.step)
         if index > 0:
             self.multi.add(name)
-        call.site = self.site_name((name, index))
+        call = dataclasses.replace(call, site=self.site_name((name, index)))
         if self.site_ok is not None and not (self.site_ok(call.site) or self.site_ok(name)):
             self.filtered_out.add(call.site)
             return
@@ -178,29 +214,21 @@ class Recorder:
     def _update_info(self, key: SiteKey, call: AttentionCall) -> None:
         info = self.infos.get(key)
         if info is None:
-            info = self.infos[key] = {
-                "kind": call.kind, "heads": call.heads, "kv_heads": call.kv_heads, "d_k": call.d_k,
-                "scale": None, "calls": 0,
-            }
-            if call.softcap is not None:
-                info["softcap"] = call.softcap
+            info = self.infos[key] = SiteInfo(call.kind, call.heads, call.kv_heads, call.d_k, softcap=call.softcap)
         if self.rows is not None and call.q.shape[2] > self.rows:
-            info["rows"] = f"{self.rows} of {call.q.shape[2]} query rows sampled: logit_max is a lower bound"
+            info.rows = f"{self.rows} of {call.q.shape[2]} query rows sampled: logit_max is a lower bound"
         if not isinstance(call.scale, Tensor):
-            info["scale"] = None if call.scale is None else float(call.scale)
-        info["calls"] += 1
+            info.scale = None if call.scale is None else float(call.scale)
+        info.calls += 1
 
     def _unknown_scale_stats(self, call: AttentionCall) -> State:
         """Metrics at `actual` from an eager call's softmax input; warns once per site."""
         from probe.stats.eager_logits import logits_stats
 
-        if call.site not in self._warned_unknown_scale:
-            self._warned_unknown_scale.add(call.site)
-            warnings.warn(
-                f"probe: the attention scale at site {call.site!r} could not be recovered from its eager "
-                "ops; it is reported at `actual` only, from the softmax input (info scale = None)",
-                UserWarning, stacklevel=2,
-            )
+        self._warn_unknown_scale(
+            call.site, f"probe: the attention scale at site {call.site!r} could not be recovered from its eager "
+            "ops; it is reported at `actual` only, from the softmax input (info scale = None)",
+        )
         logits = call.logits
         return {} if logits is None else logits_stats(logits, self.saturation, self.memory_budget)
 
@@ -211,4 +239,8 @@ class Recorder:
         self.acc.add(key, fields)
         info = self.infos.get(key)  # type: ignore[arg-type]
         if info is not None:
-            info["grad_kv_heads"] = info["kv_heads"]  # grad_k / grad_v have one value per kv head
+            info.grad_kv_heads = info.kv_heads  # grad_k / grad_v have one value per kv head
+
+    def info_dicts(self) -> Dict[SiteKey, Dict[str, Any]]:
+        """The site infos in their JSON form (copies)."""
+        return {key: info.to_dict() for key, info in self.infos.items()}

@@ -1,0 +1,43 @@
+"""When probe acts: a pure map from step number to action, as ``torch.profiler.schedule``.
+
+:class:`Schedule` knows nothing of models or tensors: ``schedule(step)`` says whether a step is
+recorded, :meth:`Schedule.flush_due` whether a window of recorded steps is complete. The
+profiler asks it at each root forward (and at ``p.step(n)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Sequence
+
+__all__ = ["Action", "Schedule"]
+
+
+class Action(enum.Enum):
+    """What probe does during one step."""
+
+    SKIP = "skip"  #: the step runs untouched (two Python hook calls)
+    RECORD = "record"  #: the step's attention calls are captured and measured
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Record steps ``0, every, 2·every, ...``; flush once ``flush_every`` recorded steps are
+    complete (a step is complete once the next step began: its backward pass belongs to it).
+
+    Example:
+        >>> s = Schedule(every=2, flush_every=1)
+        >>> [s(n).name for n in range(4)]
+        ['RECORD', 'SKIP', 'RECORD', 'SKIP']
+    """
+
+    every: int = 1
+    flush_every: int = 1
+
+    def __call__(self, step: int) -> Action:
+        return Action.RECORD if step % self.every == 0 else Action.SKIP
+
+    def flush_due(self, window: Sequence[int], step: int) -> bool:
+        """Whether the recorded steps ``window`` (ascending) form a complete flush at ``step``."""
+        return bool(window) and window[-1] != step and len(window) >= self.flush_every
