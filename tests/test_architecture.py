@@ -135,7 +135,7 @@ def test_the_import_graph_is_read():
     assert "probe.overrides" in graph["probe.capture.sdpa"]
     assert "probe.capture.mode" in graph["probe.intervene"]
     # imports inside functions count; TYPE_CHECKING imports do not
-    assert "probe.capture.eager" in graph["probe.capture.mode"]
+    assert "probe.stats.eager_logits" in graph["probe.recorder"]
     assert "probe.profiler" not in graph["probe.pytest_plugin"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
 

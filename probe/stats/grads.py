@@ -1,6 +1,6 @@
 """Pure, on-device reductions of the backward pass of attention into per-head sums of squares.
 
-Two kinds of gradient are measured (DESIGN.md, "Metrics"):
+Two kinds of gradient are measured (docs/gradients.md):
 
 * ``grad_q``, ``grad_k``, ``grad_v``: the norms of what autograd computed for the tensors the
   model passed to attention, per head (per kv head for k and v under grouped-query attention).
