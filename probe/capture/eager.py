@@ -82,6 +82,9 @@ class EagerFrontEnd(FrontEnd):
         self._warn_once = WarnOnce(RuntimeWarning)
 
     # -- protocol --------------------------------------------------------------------------------
+    def overrides_active(self) -> bool:
+        return overrides.rules_active()  # variants do not reach eager attention
+
     def handle(
         self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
         emit: Optional[Emit],

@@ -14,6 +14,7 @@ from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
 
 from torch import nn
 
+from probe import overrides
 from probe.call import AttentionCall
 
 __all__ = ["Emit", "FrontEnd", "NamedSite"]
@@ -48,6 +49,11 @@ class FrontEnd:
         Pitfall: never raise because of bookkeeping, never change the model's outputs.
         """
         raise NotImplementedError
+
+    def overrides_active(self) -> bool:
+        """Whether an override this front end applies is registered now (cheap: an intervention
+        mode asks it for every routed call before anything else)."""
+        return self.applies_overrides and overrides.active()
 
     def has_pending(self) -> bool:
         """Whether calls were recorded that :meth:`drain` must still measure."""

@@ -387,6 +387,9 @@ class MHAFrontEnd(FrontEnd):
                 return func(*args, **kwargs)
             return mha_forward(*args, **kwargs, emit=emit, scale_override=change.scale)
 
+    def overrides_active(self) -> bool:
+        return overrides.rules_active()  # variants do not reach nn.MultiheadAttention
+
     def has_pending(self) -> bool:
         return bool(self.pending)
 

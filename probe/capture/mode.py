@@ -157,7 +157,8 @@ class CaptureMode(TorchFunctionMode):
         frontend = self._routes.get(func)
         if frontend is None:
             return func(*args, **kwargs)
-        if not self.recording and (is_applying() or in_front_end() or _recorder_below(func)):
+        if not self.recording and (not frontend.overrides_active() or is_applying() or in_front_end()
+                                   or _recorder_below(func)):
             return func(*args, **kwargs)
         token = _IN_FRONT_END.set(True)
         try:
