@@ -44,12 +44,20 @@ _WHERE = {
 }
 
 
+# resolving these needs no torch (a caller can catch ProbeError before torch is checked)
+_TORCH_FREE = frozenset({"ProbeError", "StabilityError"})
+
+
 def __getattr__(name: str) -> Any:
     import importlib
 
     where = _WHERE.get(name)
     if where is None:
         raise AttributeError(f"module 'probe' has no attribute {name!r}")
+    if name not in _TORCH_FREE:
+        from probe.torch_support import check_torch
+
+        check_torch()  # an unsupported torch: a ProbeError naming what it lacks, here, not in a forward
     module = importlib.import_module(where)
     value = module if name == "variants" else getattr(module, name)
     globals()[name] = value

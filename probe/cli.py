@@ -37,6 +37,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="probe", description="See what the 1/sqrt(d_k) scaling in attention does to your model.")
+    from probe import __version__
+
+    parser.add_argument("--version", action="version", version=f"probe {__version__} (attention-probe)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser("demo", help="train a small transformer with and without scaling, log to TensorBoard")
     demo.add_argument("--steps", type=_positive_int, default=200, help="training steps per run (default 200)")
@@ -51,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from probe.errors import ProbeError
+    from probe.torch_support import check_torch
+
+    try:
+        check_torch()  # an unsupported torch: say what it lacks before any command imports it
+    except ProbeError as err:
+        print(f"probe: error: {err}", file=sys.stderr)
+        return ExitCode.USAGE
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
