@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from typing import Any
 from typing import List
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one source: setup.cfg reads it (attr:), probe --version prints it
 
 __all__ = [
     "AttentionCall",

@@ -84,3 +84,15 @@ def test_import_probe_stays_torch_free_and_version_is_readable():
     code = "import sys, probe; print(probe.__version__); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout.split()
     assert out == [probe.__version__, "False"]
+
+
+def test_version_has_one_source(capsys):
+    import configparser
+    import os
+
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.cfg"))
+    assert cfg["metadata"]["version"] == "attr: probe.__version__"  # the wheel's version is read from probe
+    assert cfg["metadata"]["name"] == "attention-probe"
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"probe {probe.__version__} (attention-probe)"
