@@ -126,7 +126,7 @@ class Probe:
         self._rec = Recorder(model, self._stack, self._frontends, extra_scales=self.extra_scales,
                              saturation=self.saturation, memory_budget=self.memory_budget, rows=self.rows,
                              grads=self.grads, site_ok=self._site_ok, warn=self._worker.warn)
-        self._grad_hooks = self._rec.grad_hooks.hooks
+        self._grad_hooks = self._rec.grad_hooks
         self._guard = SinkGuard(self._worker.warn)  # one warning per failing sink and error kind
         self._started = False
         self._auto_step = True

@@ -21,6 +21,7 @@ from probe.capture.grads import BackwardHooks
 from probe.capture.mode import ModuleStack
 from probe.once import WarnOnce
 from probe.options import ExtraScale
+from probe.recompute import Recompute
 from probe.stats.accumulator import Accumulator, State
 from probe.stats.functional import forward_stats
 from probe.stats.grads import grad_logits_stats, head_sq
@@ -90,9 +91,17 @@ class GradHooks:
     def __init__(self, add: AddFields, warn: Callable[[str], None]) -> None:
         self._add = add
         self.hooks = BackwardHooks(self._on_logits, self._on_input, warn)
+        self.recompute = Recompute(self.hooks.register)
+        #: Whether the current root forward began with grad enabled (set by the profiler).
+        self.root_grad = False
 
     def __len__(self) -> int:
         return len(self.hooks)
+
+    @property
+    def step(self) -> Optional[int]:
+        """The step whose backward the registered hooks wait for (``None``: no hook)."""
+        return self.hooks.step
 
     def register(self, call: AttentionCall, key: Hashable, step: int, scales: Mapping[str, Optional[Scale]],
                  budget_bytes: int) -> int:
@@ -104,9 +113,12 @@ class GradHooks:
         def payload(call: AttentionCall) -> Tuple[Dict[str, Optional[Scale]], int]:
             return grad_scales(call, scales_for(call)), budget_bytes
 
-        self.hooks.defer(module, key, step, frontends, payload)
+        self.hooks.step = step
+        self.recompute.defer(module, key, step, frontends, payload)
 
     def remove(self) -> None:
+        """Remove every hook (tensor and module hooks; harmless twice)."""
+        self.recompute.remove()
         self.hooks.remove()
 
     def _on_logits(self, record: AttentionCall, key: Hashable, step: int, payload: Any, grad: Tensor,
@@ -206,7 +218,7 @@ class Recorder:
         self.acc.add(key, fields)
         if self.grads and torch.is_grad_enabled():
             self.grad_hooks.register(call, key, self.step, scales, self.memory_budget)
-        elif self.grads and self.grad_hooks.hooks.root_grad:  # no_grad inside a training forward: reentrant checkpoint
+        elif self.grads and self.grad_hooks.root_grad:  # no_grad inside a training forward: reentrant checkpoint
             module = self.model.get_submodule(name) if name != "root" else self.model
             self.grad_hooks.defer(module, key, self.step, self.scales_for, self.memory_budget, self.frontends)
         self._update_info(key, call)

@@ -21,22 +21,18 @@ hooks keep the call's q, k, v (and mask) alive, which the autograd graph keeps a
 under activation checkpointing.
 
 Reentrant activation checkpointing runs the forward under ``no_grad`` and again inside backward:
-:meth:`BackwardHooks.defer` watches the issuing modules and hooks the recomputed calls.
+:class:`probe.recompute.Recompute` watches the issuing modules and hooks the recomputed calls.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Hashable, List, Optional
 
 import torch
-from torch import Tensor, nn
-from torch.overrides import _get_current_function_mode_stack
+from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from probe.call import AttentionCall
-from probe.capture.mode import CaptureMode
 
 __all__ = ["BackwardHooks", "OnInput", "OnLogits"]
 
@@ -49,18 +45,6 @@ OnInput = Callable[[str, Hashable, int, Tensor], None]
 
 def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.detach()
-
-
-@dataclasses.dataclass
-class _Deferred:
-    """A module whose calls ran under ``no_grad`` inside a probed forward (reentrant checkpoint)."""
-
-    name: str
-    step: int
-    keys: List[Tuple[str, int]]
-    payload_for: Callable[[AttentionCall], Any]
-    frontends: Sequence[Any]
-    seen: int = 0  # calls issued by the module in the running recomputation
 
 
 class BackwardHooks:
@@ -79,11 +63,6 @@ class BackwardHooks:
         self._warn = warn
         self._handles: List[RemovableHandle] = []
         self.step: Optional[int] = None
-        #: Whether the current root forward began with grad enabled (set by the profiler).
-        self.root_grad = False
-        self._deferred: Dict[int, _Deferred] = {}
-        self._running: List[_Deferred] = []  # deferred modules in the running recomputation
-        self._mode: Any = None
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -148,74 +127,9 @@ class BackwardHooks:
 
         return hook
 
-    # -- reentrant activation checkpointing -----------------------------------------------------
-    def defer(
-        self,
-        module: nn.Module,
-        key: Tuple[str, int],
-        step: int,
-        frontends: Sequence[Any],
-        payload_for: Callable[[AttentionCall], Any],
-    ) -> None:
-        """Measure the gradients of a call that ran under ``no_grad`` in a grad-enabled forward.
-
-        Reentrant checkpointing (``checkpoint(..., use_reentrant=True)``) runs the forward under
-        ``no_grad`` and runs it again inside backward, outside the probed forward. Hooks on the
-        issuing ``module`` (key ``(module name, call index)``) enter a capture mode while the
-        module runs again with grad enabled, and hook the recomputed call's tensors under the
-        original key and step (``payload_for(call)`` gives each its payload); the recomputation
-        adds no forward statistics. A no-grad block that
-        is never recomputed (a frozen sub-model) leaves hooks that never fire, removed with the
-        others.
-        """
-        self.step = step
-        entry = self._deferred.get(id(module))
-        if entry is None:  # remove() clears these at every step change
-            entry = self._deferred[id(module)] = _Deferred(key[0], step, [], payload_for, frontends)
-            self._handles.append(module.register_forward_pre_hook(functools.partial(self._rerun_start, entry)))
-            self._handles.append(module.register_forward_hook(functools.partial(self._rerun_end, entry), always_call=True))
-        if key not in entry.keys:
-            entry.keys.append(key)
-
-    def _rerun_start(self, entry: _Deferred, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled():
-            return  # the no-grad forward itself, or inference
-        if self._mode is None:
-            if any(isinstance(m, CaptureMode) and m.recording for m in _get_current_function_mode_stack()):
-                return  # inside a probed forward: its own capture sees these calls
-            self._mode = CaptureMode(entry.frontends, self._rerun_emit)
-            self._mode.__enter__()
-        entry.seen = 0
-        self._running.append(entry)
-
-    def _rerun_end(self, entry: _Deferred, module: nn.Module, args: Any, output: Any) -> None:
-        if self._running and self._running[-1] is entry:
-            self._running.pop()
-            if not self._running and self._mode is not None:
-                mode, self._mode = self._mode, None
-                mode.__exit__(None, None, None)
-
-    def _rerun_emit(self, call: AttentionCall) -> None:
-        entry = self._running[-1]  # the innermost deferred module issued this call
-        key = (entry.name, entry.seen)
-        entry.seen += 1
-        if key not in entry.keys:
-            return  # filtered out or skipped in the forward
-        call = dataclasses.replace(call, site=entry.name)
-        try:
-            call.validate()
-        except ValueError:
-            return
-        self.register(call, key, entry.step, entry.payload_for(call))
-
     def remove(self) -> None:
         """Remove every hook this object registered (harmless twice, and for freed tensors)."""
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
         self.step = None
-        self._deferred = {}
-        self._running = []
-        if self._mode is not None:
-            mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
