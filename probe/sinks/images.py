@@ -1,7 +1,8 @@
 """Heatmaps of one metric over sites × heads, with colour scales that are fixed per metric.
 
 A heatmap is only comparable across steps, runs and scales when its colours mean the same number
-everywhere, so each metric has one fixed range (never the min and max of the current image):
+everywhere, so each metric has one fixed range (never the min and max of the current image),
+declared in the metric catalogue (:mod:`probe.metrics`):
 
 =====================================  ===========  ==========================================
 metric                                 transform    range (values outside are clipped)
@@ -29,6 +30,8 @@ import math
 from typing import List, NamedTuple, Sequence, Tuple
 
 import numpy as np
+
+from probe import metrics
 
 __all__ = ["ColourScale", "colour_scale", "colourize", "grid_of", "render_heatmap"]
 
@@ -75,23 +78,14 @@ def _transform(kind: str, x: np.ndarray) -> np.ndarray:
     raise ValueError(f"unknown transform {kind!r}")
 
 
-_UNIT = ColourScale(0.0, 1.0, "linear", (0.0, 0.25, 0.5, 0.75, 1.0))
+_UNIT = ColourScale(0.0, 1.0, "linear", (0.0, 0.25, 0.5, 0.75, 1.0))  # the colour bar's ramp
 
 
 def colour_scale(metric: str) -> ColourScale:
-    """The fixed colour scale of ``metric`` (see the module docstring for the table)."""
-    if metric in ("entropy", "max_prob", "saturation"):
-        return _UNIT
-    if metric == "logit_var":
-        return ColourScale(1e-2, 1e4, "log10", (1e-2, 1e-1, 1.0, 10.0, 1e2, 1e3, 1e4))
-    if metric == "logit_max":
-        # 100 is the QK-Clip threshold of the default `logit_max < 100` check.
-        return ColourScale(-10.0, 1e3, "symlog", (-10.0, 0.0, 10.0, 100.0, 1e3))
-    if metric.startswith("grad_"):
-        return ColourScale(1e-8, 1e2, "log10", (1e-8, 1e-6, 1e-4, 1e-2, 1.0, 1e2))
-    if metric == "nonfinite":
-        return ColourScale(0.0, 1e6, "log1p", (0.0, 10.0, 1e3, 1e6))
-    return ColourScale(1e-6, 1e6, "log10", (1e-6, 1e-3, 1.0, 1e3, 1e6))
+    """The fixed colour scale of ``metric`` (the catalogue's, :func:`probe.metrics.colour`; see the
+    module docstring for the table)."""
+    c = metrics.colour(metric)
+    return ColourScale(c.lo, c.hi, c.transform, c.ticks)
 
 
 def colourize(values: np.ndarray, scale: ColourScale) -> np.ndarray:
