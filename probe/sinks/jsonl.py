@@ -18,7 +18,7 @@ from typing import IO, Any, Optional, Union
 
 from probe.errors import ProbeError
 from probe.sinks.base import BaseSink
-from probe.stats.finalize import head_reduce
+from probe.metrics import head_reduce
 from probe.summary import Summary
 
 __all__ = ["CSVSink", "JSONLSink"]
