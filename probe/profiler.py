@@ -130,6 +130,7 @@ class Probe:
         self._guard = SinkGuard(self._worker.warn)  # one warning per failing sink and error kind
         self._started = False
         self._auto_step = True
+        self._paused = False
         self._depth = 0
         self._probed_steps: Set[int] = set()
         self._warned_filter = False
@@ -184,12 +185,30 @@ class Probe:
         self._step = check_int("n", n, 0)
         self._started = True
         self._auto_step = False
+        self._paused = False
         self._maybe_flush()
         if self._dist is not None and self._sampled() and (not self._window or self._window[-1] != n):
             # Under torch.distributed, explicit steps alone decide the flushes: a rank that runs no
             # forward in a sampled step still takes part in that step's flush.
             self._window.append(n)
         self._eager.arm(self._sampled())
+
+    def pause(self, flush: bool = True, wait: bool = False) -> None:
+        """Probe no forward until the next :meth:`step` call, e.g. a trainer's evaluation between
+        two training steps (it would otherwise count as part of the next step).
+
+        Args:
+            flush: the current step is over: hand its statistics to the sinks now (under
+                ``flush_every``, once the window is full) rather than when the next step begins.
+                Under ``torch.distributed`` this is a collective: every rank pauses alike.
+            wait: also wait until the sinks have written them.
+        """
+        self._paused = True
+        self._eager.arm(False)
+        if flush and self._window and len(self._window) >= self._schedule.flush_every:
+            self._flush()
+        if wait:
+            self._worker.join()
 
     def _sampled(self, step: Optional[int] = None) -> bool:
         return self._schedule(self._step if step is None else step) is Action.RECORD
@@ -212,7 +231,7 @@ class Probe:
             self._grad_hooks.remove()  # the previous step's backward is over (or never came)
         self._grad_hooks.root_grad = torch.is_grad_enabled()
         self._maybe_flush()
-        if not self._sampled():
+        if self._paused or not self._sampled():
             return
         if self._dist is not None and (not self._window or self._window[-1] != self._step):
             # Ranks must flush at the same steps: a sampled step opens the window even on a rank
@@ -251,7 +270,7 @@ class Probe:
                                     "captured in this compiled or scripted model: its graph does not run probe's "
                                     "capture (TorchScript, an exported or AOT-compiled artifact?). Watch the "
                                     "nn.Module, or the torch.compile'd module, instead.")
-            self._eager.arm(self._sampled((self._step + 1) if self._auto_step else self._step))
+            self._eager.arm(not self._paused and self._sampled((self._step + 1) if self._auto_step else self._step))
 
     def _warn_compiled(self, kind: str, message: str) -> None:
         self._warned_compiled(kind, message, stacklevel=3)
