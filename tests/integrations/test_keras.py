@@ -1,0 +1,38 @@
+"""Keras 3 on the torch backend: a keras.layers.MultiHeadAttention is a torch module and captured."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+# Keras picks its backend at its first import (tensorflow by default), so it is never imported
+# here: the check runs in a subprocess with KERAS_BACKEND=torch.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="keras is not installed")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_keras_multi_head_attention_is_one_sdpa_site_with_per_head_values() -> None:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, "-m", "tests.integrations.keras_worker"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    assert out["backend"] == "torch" and out["is_module"]
+    assert out["sites"] == ["attn"]
+    info = out["info"]
+    assert (info["kind"], info["heads"], info["d_k"]) == ("sdpa", 2, 8)
+    assert math.isclose(info["scale"], 8 ** -0.5, rel_tol=1e-6)
+    # per-head entropy equals the one of the layer's own attention probabilities (float64 reference)
+    assert len(out["entropy"]) == 2
+    for got, ref in zip(out["entropy"], out["entropy_ref"]):
+        assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-5), (out["entropy"], out["entropy_ref"])
+    assert len(out["grad_logits"]) == 2 and all(g > 0 for g in out["grad_logits"])
+    # a Functional model's layers are not torch submodules: the site is named after the root
+    assert out["functional_sites"] == ["root"] and out["functional_kind"] == "sdpa"
