@@ -8,7 +8,10 @@ import os
 import pytest
 import torch
 
-pl = pytest.importorskip("pytorch_lightning")
+try:  # the callback supports both distributions of Lightning; test with the one installed
+    import lightning.pytorch as pl
+except ImportError:
+    pl = pytest.importorskip("pytorch_lightning")
 
 import probe  # noqa: E402
 from probe.integrations.lightning import ProbeCallback  # noqa: E402
