@@ -6,22 +6,7 @@ import torch
 
 import probe
 from tests.helpers import SDPAModel
-
-
-class Recorder:
-    """A sink that keeps (step, sites, calls) of each write."""
-
-    def __init__(self) -> None:
-        self.writes = []
-
-    def write(self, step, summary) -> None:
-        self.writes.append((step, {s: summary.info(s)["calls"] for s in summary.sites}))
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+from tests.integrations.tbutil import Recorder
 
 
 def test_pause_keeps_forwards_out_until_the_next_step() -> None:
