@@ -1,4 +1,4 @@
-"""``ProbeCallback`` for the Hugging Face ``transformers.Trainer`` (``pip install probe[hf]``).
+"""``ProbeCallback`` for the Hugging Face ``transformers.Trainer`` (``pip install attention-probe[hf]``).
 
 Example:
     >>> from probe.integrations.huggingface import ProbeCallback
@@ -24,7 +24,7 @@ try:
     from transformers.training_args import TrainingArguments
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "probe.integrations.huggingface needs transformers: pip install 'probe[hf]'"
+        "probe.integrations.huggingface needs transformers: pip install 'attention-probe[hf]'"
     ) from err
 
 from probe.integrations._session import Session

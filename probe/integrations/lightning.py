@@ -1,4 +1,4 @@
-"""``ProbeCallback`` for a Lightning ``Trainer`` (``pip install probe[lightning]``).
+"""``ProbeCallback`` for a Lightning ``Trainer`` (``pip install attention-probe[lightning]``).
 
 Works with both distributions of Lightning: ``lightning`` (``import lightning.pytorch``) and
 ``pytorch-lightning`` (``import pytorch_lightning``); the callback is an instance of the
@@ -35,7 +35,7 @@ def _lightning() -> List[Any]:
         except ImportError:
             pass
     if not found:
-        raise ImportError("probe.integrations.lightning needs Lightning: pip install 'probe[lightning]' "
+        raise ImportError("probe.integrations.lightning needs Lightning: pip install 'attention-probe[lightning]' "
                           "(or pip install lightning)")
     return found
 

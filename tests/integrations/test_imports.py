@@ -40,6 +40,6 @@ def test_a_missing_framework_names_the_extra_to_install() -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.strip().splitlines()
     assert lines == [
-        "probe.integrations.huggingface needs transformers: pip install 'probe[hf]'",
-        "probe.integrations.lightning needs Lightning: pip install 'probe[lightning]' (or pip install lightning)",
+        "probe.integrations.huggingface needs transformers: pip install 'attention-probe[hf]'",
+        "probe.integrations.lightning needs Lightning: pip install 'attention-probe[lightning]' (or pip install lightning)",
     ]
