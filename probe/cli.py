@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import enum
+import os
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional, TextIO
 
 from probe.cli_check import add_commands as add_check_commands
 
@@ -53,6 +54,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _PipeSafeStdout:
+    """sys.stdout that goes quiet once its reader has gone (``probe check RUN | head -1``): the
+    command finishes and returns its own exit code instead of dying of BrokenPipeError."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self.broken = False
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._silence()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._silence()
+
+    def _silence(self) -> None:
+        self.broken = True
+        try:  # the interpreter's own flush of fd 1 at exit must not raise again
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from probe.errors import ProbeError
     from probe.torch_support import check_torch
@@ -70,7 +107,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return ExitCode.USAGE
-    return int(args.func(args))
+    stdout, sys.stdout = sys.stdout, _PipeSafeStdout(sys.stdout)  # type: ignore[assignment]
+    try:
+        code = int(args.func(args))
+        sys.stdout.flush()
+        return code
+    except ProbeError as err:  # bad input that a command did not map itself
+        print(f"probe {args.command}: error: {err}", file=sys.stderr)
+        return ExitCode.USAGE
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -62,6 +62,9 @@ def summary_from_events(path: str) -> Summary:
         from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
     except ImportError as err:  # pragma: no cover - tensorboard is a dependency
         raise ProbeError(f"reading TensorBoard event files needs the tensorboard package: {err}") from err
+    from probe.eventfiles import check_event_files
+
+    check_event_files(path)  # a truncated or corrupted file is an error, not "fewer steps"
     acc = EventAccumulator(path, size_guidance={SCALARS: 0})  # 0: keep every event, do not sample
     try:
         acc.Reload()
@@ -110,7 +113,7 @@ def load_run(path: str) -> Tuple[Summary, str]:
     """
     if not os.path.exists(path):
         raise ProbeError(f"expected a run directory or a {SUMMARY_FILE}, got a path that does not exist: {path!r}")
-    if os.path.isfile(path):
+    if not os.path.isdir(path):  # a file, or a FIFO / device that Summary.load refuses
         if os.path.basename(path).startswith(_EVENTS):
             return summary_from_events(path), "tensorboard"
         return Summary.load(path), "summary"

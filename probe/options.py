@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable, Dict, Mapping, Optional, Union
 
 from probe.errors import ProbeError
+from probe.threshold_expr import SCALE_NAME
 
-__all__ = ["BUILTIN_SCALES", "ExtraScale", "check_int", "check_scales"]
+__all__ = ["BUILTIN_SCALES", "ExtraScale", "check_int", "check_scales", "check_seconds", "scale_value"]
 
 #: An extra named scale: a float, or a callable of d_k.
 ExtraScale = Union[float, Callable[[int], float]]
@@ -32,14 +34,35 @@ def check_scales(scales: Optional[Mapping[str, ExtraScale]]) -> Dict[str, ExtraS
         )
     out: Dict[str, ExtraScale] = {}
     for name, value in scales.items():
-        if not isinstance(name, str) or not name or any(c in name for c in "/@ "):
-            raise ProbeError(f"expected `scales` names to be non-empty strings without '/', '@' or spaces, got {name!r}")
+        if not isinstance(name, str) or not SCALE_NAME.fullmatch(name) or not name.isascii():
+            raise ProbeError(
+                "expected `scales` names to be ASCII identifiers (letters, digits, '_', '.', '-'; not starting "
+                f"with a digit) that thresholds can address as METRIC@NAME, got {name!r}"
+            )
         if name in BUILTIN_SCALES:
             raise ProbeError(f"`scales` name {name!r} is built in; choose another name")
         if callable(value):
+            scale_value(name, value, 64)  # a callable that fails, fails here, not in the forward
             out[name] = value
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            out[name] = float(value)
+        elif isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value)):
+            out[name] = float(value)  # np.float32 as well as float
         else:
             raise ProbeError(f"expected `scales[{name!r}]` to be a finite float or a callable(d_k), got {value!r}")
     return out
+
+
+def scale_value(name: str, fn: Callable[[int], float], d_k: int) -> float:
+    """``float(fn(d_k))`` for an extra scale callable, or a ProbeError naming the scale."""
+    try:
+        value = fn(d_k)
+    except Exception as err:  # noqa: BLE001 - reported with the scale's name
+        raise ProbeError(f"`scales[{name!r}]`({d_k}) raised {type(err).__name__}: {err}") from err
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ProbeError(f"expected `scales[{name!r}]`(d_k) to return a finite float, got {value!r} for d_k={d_k}")
+    return float(value)
+
+
+def check_seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
+        raise ProbeError(f"expected `{name}` to be a positive number of seconds, got {value!r}")
+    return float(value)

@@ -6,22 +6,24 @@ import atexit
 import os
 import warnings
 import weakref
-from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from probe.capture.mode import CaptureMode, ModuleStack, SitesFilter, site_filter
 from probe.capture.registry import default_frontends
 from probe.compiled import EagerSteps, check_model, is_compiled, outside_graph
 from probe.distributed import resolve_group
 from probe.errors import ProbeError
+from probe.forward_guard import ForwardFrame, RootHook
 from probe.once import WarnOnce
-from probe.options import BUILTIN_SCALES, ExtraScale, check_int, check_scales
+from probe.options import BUILTIN_SCALES, ExtraScale, check_int, check_scales, check_seconds
 from probe.recorder import Recorder
 from probe.results import Results, pending_states
 from probe.schedule import Action, Schedule
-from probe.sinks.base import Sink, SinkGuard, Worker
+from probe.sinks.base import Sink
+from probe.sinks.writer import Window, Writer, to_host
 from probe.stats.accumulator import State
 from probe.summary import SUMMARY_FILE, Summary
 
@@ -56,6 +58,9 @@ class Probe:
             ``entropy``, ``max_prob``, ``saturation`` and ``nonfinite`` stay unbiased (standard
             error in ``docs/performance.md``); ``logit_max`` becomes a lower bound and
             ``logit_var`` the variance of the sampled rows; info gets ``"rows"``. ``None``: all rows.
+        close_timeout: seconds :meth:`close` waits for the sinks to write what they hold; a sink
+            still busy after that is named in a warning and left behind (``probe_summary.json`` is
+            written before the wait, so it is complete either way).
         group: under ``torch.distributed``, the process group whose ranks' statistics are reduced
             at each flush (default: the default group when initialized with several ranks;
             ``False``: per-rank statistics). Only rank 0 of the group writes (TensorBoard, sinks,
@@ -79,6 +84,7 @@ class Probe:
         sinks: Sequence[Sink] = (),
         group: Any = None,
         rows: Optional[int] = None,
+        close_timeout: float = 30.0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"expected `model` to be a torch.nn.Module, got {type(model).__name__}")
@@ -91,6 +97,7 @@ class Probe:
         if isinstance(saturation, bool) or not isinstance(saturation, (int, float)) or not 0 < saturation <= 1:
             raise ProbeError(f"expected `saturation` to be a float in (0, 1], got {saturation!r}")
         self.saturation = float(saturation)
+        self.close_timeout = check_seconds("close_timeout", close_timeout)
         self.extra_scales = check_scales(scales)
         self.grads = bool(grads)
         self.per_head = bool(per_head)
@@ -122,12 +129,14 @@ class Probe:
         self._emitted_before = 0
         self._warned_compiled = WarnOnce()
         self._results = Results()
-        self._worker = Worker()
+        summary_path = None if self._logdir is None else os.path.join(self._logdir, SUMMARY_FILE)
+        # the writer folds flushes into the results and feeds the sinks and the summary file
+        self._writer = Writer(self._sinks, self._results, summary_path, meta=self._meta())
+        self._frame = ForwardFrame()  # the root forward in progress, to notice one a BaseException ended
         self._rec = Recorder(model, self._stack, self._frontends, extra_scales=self.extra_scales,
                              saturation=self.saturation, memory_budget=self.memory_budget, rows=self.rows,
-                             grads=self.grads, site_ok=self._site_ok, warn=self._worker.warn)
+                             grads=self.grads, site_ok=self._site_ok, warn=self._writer.warn)
         self._grad_hooks = self._rec.grad_hooks
-        self._guard = SinkGuard(self._worker.warn)  # one warning per failing sink and error kind
         self._started = False
         self._auto_step = True
         self._paused = False
@@ -136,8 +145,9 @@ class Probe:
         self._warned_filter = False
         self._closed = False
         self._handles = [
-            model.register_forward_pre_hook(self._on_forward_start),
-            model.register_forward_hook(self._on_forward_end, always_call=True),
+            # RootHook: a deepcopy / pickle / torch.save of the model copies them as inert hooks
+            model.register_forward_pre_hook(RootHook(self._on_forward_start)),
+            model.register_forward_hook(RootHook(self._on_forward_end), always_call=True),
         ]
         ref = weakref.ref(self)
         self._atexit = lambda: (lambda p: p.close() if p is not None else None)(ref())
@@ -153,6 +163,9 @@ class Probe:
         if not isinstance(logdir, (str, os.PathLike)):
             raise ProbeError(f"expected `logdir` to be a path or a SummaryWriter, got {type(logdir).__name__}")
         path = os.fspath(logdir)
+        if not path:
+            raise ProbeError("expected `logdir` to be a directory path, got an empty string "
+                             "(use logdir=None to keep the statistics in memory only)")
         if os.path.exists(path) and not os.path.isdir(path):
             raise ProbeError(f"expected `logdir` to be a directory, got a file: {path!r}")
         self._logdir = path
@@ -182,6 +195,8 @@ class Probe:
     def step(self, n: int) -> None:
         """Set the step number: forwards until the next ``step`` call belong to step ``n``
         (e.g. several micro-batches of gradient accumulation). Turns off automatic counting."""
+        self._check_open("step")
+        self._recover_if_interrupted()
         self._step = check_int("n", n, 0)
         self._started = True
         self._auto_step = False
@@ -221,9 +236,11 @@ class Probe:
     def _on_forward_start(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():  # Dynamo traces the root's hooks: leave the graph
             return outside_graph(self._on_traced_forward_start, module, args)
+        self._recover_if_interrupted()
         self._depth += 1
         if self._depth > 1:  # the root called again from inside its own forward
             return
+        self._frame.enter()
         if self._auto_step:
             self._step = self._step + 1 if self._started else 0
             self._started = True
@@ -247,7 +264,7 @@ class Probe:
         self._eager.enter()  # compiled code in this forward runs eagerly, so the capture sees it
         self._emitted_before = self._rec.emitted
         self._stack.activate()
-        self._mode = CaptureMode(self._frontends, self._rec.emit)
+        self._mode = CaptureMode(self._frontends, self._emit)
         self._mode.__enter__()
 
     def _on_traced_forward_start(self, module: nn.Module, args: Any) -> None:
@@ -262,6 +279,7 @@ class Probe:
             return outside_graph(self._on_forward_end, module, args, output)
         self._depth = max(0, self._depth - 1)
         if self._depth == 0:
+            self._frame.exit()
             captured = self._mode is not None
             self._stop_capture()
             self._eager.exit()
@@ -274,6 +292,30 @@ class Probe:
 
     def _warn_compiled(self, kind: str, message: str) -> None:
         self._warned_compiled(kind, message, stacklevel=3)
+
+    def _emit(self, call: Any) -> None:
+        if self._frame.stale():
+            # The root forward ended with a BaseException; this call is someone else's. The mode
+            # cannot pop itself from inside its own handler: it goes inert here, and the next
+            # forward or call on the probe pops it.
+            if self._mode is not None:
+                self._mode._paused = True
+            self._stack.deactivate()
+            return
+        self._rec.emit(call)
+
+    def _recover_if_interrupted(self) -> None:
+        """Restore the state a root forward left when a BaseException (KeyboardInterrupt,
+        SystemExit, GeneratorExit) skipped its forward hook (:mod:`probe.forward_guard`): capture
+        mode popped, global module hooks removed, depth reset, so steps keep counting. Called
+        where popping the mode is safe: outside any torch function."""
+        if self._depth == 0 or not self._frame.stale():
+            return
+        self._frame.exit()
+        self._depth = 0
+        self._stop_capture()
+        self._eager.exit()
+        self._eager.arm(self._sampled((self._step + 1) if self._auto_step else self._step))
 
     def _stop_capture(self) -> None:
         if self._mode is not None:
@@ -297,10 +339,8 @@ class Probe:
         acc.reset()
         names = {key: self._rec.site_name(key) for key, _, _ in layout}
         infos = self._rec.info_dicts()
-        host, event = _to_host(flat)
-        step = window[-1]
-        steps = len(window)
-        self._worker.submit(lambda: self._process(step, host, event, layout, names, infos, steps))
+        host, event = to_host(flat)
+        self._writer.submit(Window(window[-1], window, host, event, layout, names, infos))
 
     def _flush_distributed(self, window: List[int]) -> None:
         """Reduce the window across the group's ranks (a collective, on the training thread, so
@@ -314,22 +354,13 @@ class Probe:
             return
         self._probed_steps.update(window)
         names = {key: self._rec.site_name(key) for key, _, _ in layout}
-        steps = len(window)
-        self._worker.submit(lambda: self._process(step, flat, None, layout, names, infos, steps))
-
-    def _process(self, step: int, host: Tensor, event: Any, layout: Any, names: Dict[Hashable, str],
-                 infos: Dict[Hashable, Dict[str, Any]], steps: int = 1) -> None:
-        if event is not None:
-            event.synchronize()
-        summary = self._results.add_window(host, layout, names, infos, steps)
-        for sink in self._sinks:
-            self._guard.call(sink, "write", step, summary)  # a sink failure never breaks training
+        self._writer.submit(Window(step, window or [step], flat, None, layout, names, infos))
 
     def _check_filter(self) -> None:
         filtered_out = self._rec.filtered_out
         if self._warned_filter or self._site_ok is None or not filtered_out:
             return
-        if not self._rec.acc and not self._results:
+        if not self._rec.acc and self._writer.empty:
             self._warned_filter = True
             warnings.warn(
                 f"probe: `sites` filter {self._sites_filter!r} matched none of the attention sites seen: "
@@ -346,7 +377,8 @@ class Probe:
         summary as of the last flush: the current, unflushed window is another rank's business
         until the next flush, and reading it here must not need a collective.
         """
-        self._worker.join()
+        self._recover_if_interrupted()
+        self._writer.fold_all()  # flushed windows into the totals; never waits on a sink
         local = self._dist is None
         rec = self._rec
         pending: Dict[str, State] = {}
@@ -355,14 +387,23 @@ class Probe:
             pending = pending_states(flat, layout, {key: rec.site_name(key) for key, _, _ in layout})
         infos = {rec.site_name(key): info for key, info in rec.info_dicts().items()} if local else {}
         steps = len(self._probed_steps | (set(self._window) if local else set()))
-        meta = {"every": self.every, "saturation": self.saturation, "scales": list(BUILTIN_SCALES) + list(self.extra_scales)}
-        return self._results.summary(pending, infos, steps, meta)
+        return self._results.summary(pending, infos, steps, self._meta())
+
+    def _meta(self) -> Dict[str, Any]:
+        return {"every": self.every, "saturation": self.saturation, "scales": list(BUILTIN_SCALES) + list(self.extra_scales)}
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every sink has written and flushed the statistics flushed so far (at most
+        ``timeout`` seconds). Returns whether they all did. Training never needs this: sinks catch
+        up on their own within a couple of seconds (docs/guarantees.md)."""
+        return self._writer.flush(timeout)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
         """Remove every hook, flush, write ``probe_summary.json``. Safe to call twice."""
         if self._closed:
             return
+        self._recover_if_interrupted()
         self._closed = True
         atexit.unregister(self._atexit)
         for handle in self._handles:
@@ -377,23 +418,22 @@ class Probe:
                 if self._dist.usable():
                     self._flush()
                 elif self._window or self._rec.acc:
-                    self._worker.warn("probe: torch.distributed was shut down before Probe.close(); the last "
+                    self._writer.warn("probe: torch.distributed was shut down before Probe.close(); the last "
                                       "window of statistics was not reduced (close the probe first)")
             elif self._window or self._rec.acc:
                 self._flush()
-            self._worker.join()
-            for sink in self._sinks:
-                self._guard.call(sink, "close")
             if self._logdir is not None:
-                try:
-                    os.makedirs(self._logdir, exist_ok=True)
-                    self.summary().save(os.path.join(self._logdir, SUMMARY_FILE))
-                except OSError as err:
-                    self._worker.warn(f"probe: could not write {SUMMARY_FILE} into {self._logdir!r}: {err}")
+                # Before waiting on the sinks: a slow sink or a second Ctrl-C cannot cost the summary.
+                self._writer.save(self.summary(), final=True)
         finally:
-            self._worker.stop()
+            self._writer.close(self.close_timeout)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ProbeError(f"this probe is closed: {what} needs an open one (probe.watch(model) again)")
 
     def __enter__(self) -> "Probe":
+        self._check_open("`with probe:`")
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -401,18 +441,6 @@ class Probe:
 
     def __repr__(self) -> str:
         return f"Probe(every={self.every}, step={self._step}, closed={self._closed})"
-
-
-def _to_host(flat: Tensor) -> Tuple[Tensor, Any]:
-    """Start the one device→host copy of a flush; returns (host tensor, event to wait on)."""
-    flat = flat.detach()
-    if flat.device.type == "cuda":
-        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
-    return flat.to("cpu"), None
 
 
 def watch(

@@ -20,7 +20,8 @@ from probe.call import AttentionCall, Scale
 from probe.capture.grads import BackwardHooks
 from probe.capture.mode import ModuleStack
 from probe.once import WarnOnce
-from probe.options import ExtraScale
+from probe.errors import ProbeError
+from probe.options import ExtraScale, scale_value
 from probe.recompute import Recompute
 from probe.stats.accumulator import Accumulator, State
 from probe.stats.functional import forward_stats
@@ -175,11 +176,18 @@ class Recorder:
         self.emitted = 0  # attention calls seen, to detect a compiled graph that hides them
         self.grad_hooks = GradHooks(self._add_grads, warn)
         self._warn_unknown_scale = WarnOnce()
+        self._warn_scale = warn
 
     def scales_for(self, call: AttentionCall) -> Dict[str, Scale]:
         scales: Dict[str, Scale] = {"actual": call.scale, "unscaled": 1.0, "standard": call.standard_scale}
         for name, value in self.extra_scales.items():
-            scales[name] = float(value(call.d_k)) if callable(value) else value
+            if not callable(value):
+                scales[name] = value
+                continue
+            try:
+                scales[name] = scale_value(name, value, call.d_k)
+            except ProbeError as err:  # never inside the model's forward: that scale is skipped
+                self._warn_scale(f"probe: {err}; that scale is skipped at site {call.site!r}")
         return scales
 
     def site_name(self, key: SiteKey) -> str:

@@ -52,6 +52,14 @@ class Results:
                 window[name] = {"info": info, "metrics": finalize(state)}
         return Summary(window, steps=steps)
 
+    def add_states(self, states: Mapping[str, State], infos: Mapping[str, Info]) -> None:
+        """Fold already unpacked per-site host states (by site name) into the totals
+        (:class:`probe.sinks.writer.Window`)."""
+        with self._lock:
+            for name, state in states.items():
+                merge_states(self._totals.setdefault(name, {}), {f: v.clone() for f, v in state.items()})
+                self._infos[name] = dict(infos[name])
+
     def summary(self, pending: Mapping[str, State], pending_infos: Mapping[str, Info], steps: int,
                 meta: Optional[Dict[str, Any]] = None) -> Summary:
         """The totals plus ``pending`` (state not flushed yet, by site name) as one summary.

@@ -1,4 +1,11 @@
-"""Summary: per-site, per-head metrics, aggregated over probed steps, with a JSON round trip."""
+"""Summary: per-site, per-head metrics, aggregated over probed steps, with a JSON round trip.
+
+JSON encoding (``probe.summary/1``): strict JSON (no ``NaN`` / ``Infinity`` tokens, so ``jq``,
+browsers and other languages read it). In metric values NaN is ``null`` and ±inf are the strings
+``"inf"`` / ``"-inf"``; elsewhere (``info``, ``meta``, where ``null`` means "unknown") a
+non-finite float is ``"nan"``, ``"inf"`` or ``"-inf"``. :meth:`Summary.load` turns them back into
+floats, so a diverging run round-trips losslessly (docs/guarantees.md).
+"""
 
 from __future__ import annotations
 
@@ -11,16 +18,107 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 import numpy as np
 
 from probe.errors import ProbeError
+from probe.files import atomic_write, read_regular_file
 
-__all__ = ["SUMMARY_FILE", "Summary"]
+__all__ = ["SUMMARY_FILE", "Summary", "json_number"]
 
-#: The file name a probe writes into its logdir on close.
+#: The file name a probe writes into its logdir (refreshed as the run goes, final on close).
 SUMMARY_FILE = "probe_summary.json"
 _FORMAT = "probe.summary/1"
+_NONFINITE = {"inf": math.inf, "+inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+# A summary is a few MiB at most (100 layers x 64 heads x 10 metrics x 4 scales); refuse to read
+# far beyond that, so a wrong path (a dataset, a device) fails fast instead of filling memory.
+_MAX_BYTES = 1 << 30
 
 
-def _clean(values: Iterable[float]) -> List[Optional[float]]:
-    return [None if (v is None or math.isnan(v)) else float(v) for v in values]
+def json_number(v: Any) -> Any:
+    """A metric value: a finite float, ``None`` for NaN, ``"inf"`` / ``"-inf"``."""
+    if v is None:
+        return None
+    v = float(v)
+    if math.isnan(v):
+        return None
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return v
+
+
+def _clean(values: Iterable[float]) -> List[Any]:
+    return [json_number(v) for v in values]
+
+
+def _encode_any(obj: Any) -> Any:
+    """info / meta values as strict JSON: numpy scalars as Python ones, non-finite floats as strings."""
+    if isinstance(obj, Mapping):
+        return {str(k): _encode_any(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_encode_any(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return [_encode_any(v) for v in obj.tolist()]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    return obj
+
+
+def _decode_any(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _decode_any(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode_any(v) for v in obj]
+    if isinstance(obj, str) and obj in _NONFINITE:
+        return _NONFINITE[obj]
+    return obj
+
+
+def _bad(where: str, got: Any, expected: str) -> ProbeError:
+    shown = repr(got)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return ProbeError(f"not a valid probe summary: {where} is {shown} ({type(got).__name__}), expected {expected}")
+
+
+def _decode_values(where: str, values: Any) -> List[float]:
+    if not isinstance(values, list):
+        raise _bad(where, values, "a list of per-head numbers")
+    out: List[float] = []
+    for i, x in enumerate(values):
+        if x is None:
+            out.append(math.nan)
+        elif isinstance(x, str) and x in _NONFINITE:
+            out.append(_NONFINITE[x])
+        elif isinstance(x, (int, float)) and not isinstance(x, bool):
+            out.append(float(x))
+        else:
+            raise _bad(f"{where}[{i}]", x, "a number, null (NaN), \"inf\" or \"-inf\"")
+    return out
+
+
+def _decode_sites(sites: Any) -> Dict[str, Dict[str, Any]]:
+    if not isinstance(sites, dict):
+        raise _bad('"sites"', sites, "an object of site name -> {info, metrics}")
+    out: Dict[str, Dict[str, Any]] = {}
+    for name, entry in sites.items():
+        where = f"sites[{name!r}]"
+        if not isinstance(entry, dict):
+            raise _bad(where, entry, 'an object with "info" and "metrics"')
+        info = entry.get("info", {})
+        if not isinstance(info, dict):
+            raise _bad(f"{where}['info']", info, "an object")
+        metrics = entry.get("metrics", {})
+        if not isinstance(metrics, dict):
+            raise _bad(f"{where}['metrics']", metrics, "an object of metric -> scale -> values")
+        decoded: Dict[str, Dict[str, List[float]]] = {}
+        for metric, by_scale in metrics.items():
+            if not isinstance(by_scale, dict):
+                raise _bad(f"{where}['metrics'][{metric!r}]", by_scale, "an object of scale -> values")
+            decoded[metric] = {
+                scale: _decode_values(f"{where}['metrics'][{metric!r}][{scale!r}]", values)
+                for scale, values in by_scale.items()
+            }
+        out[name] = {"info": _decode_any(info), "metrics": decoded}
+    return out
 
 
 class Summary:
@@ -105,14 +203,15 @@ class Summary:
 
     # -- JSON ----------------------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
-        """A JSON-ready dict; NaN becomes ``null``."""
+        """A strict-JSON-ready dict: NaN metric values become ``null``, ±inf ``"inf"`` / ``"-inf"``
+        (see the module docstring)."""
         return {
             "format": _FORMAT,
             "steps": self.steps,
-            "meta": self.meta,
+            "meta": _encode_any(self.meta),
             "sites": {
                 name: {
-                    "info": entry["info"],
+                    "info": _encode_any(entry["info"]),
                     "metrics": {
                         m: {s: _clean(v.tolist()) for s, v in by_scale.items()}
                         for m, by_scale in entry["metrics"].items()
@@ -124,40 +223,60 @@ class Summary:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Summary":
-        if not isinstance(data, Mapping) or data.get("format") != _FORMAT or not isinstance(data.get("sites"), Mapping):
-            raise ProbeError(f"not a probe summary (expected format {_FORMAT!r})")
-        sites = {
-            name: {
-                "info": entry.get("info", {}),
-                "metrics": {
-                    m: {s: [np.nan if x is None else x for x in v] for s, v in by_scale.items()}
-                    for m, by_scale in entry.get("metrics", {}).items()
-                },
-            }
-            for name, entry in data["sites"].items()
-        }
-        return cls(sites, steps=data.get("steps", 0), meta=data.get("meta"))
+        """The inverse of :meth:`to_dict`.
+
+        Raises:
+            ProbeError: naming the first entry that is not what a summary holds (a site that is
+                not an object, a value that is not a number, a nested list, ...).
+        """
+        if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
+            got = data.get("format") if isinstance(data, Mapping) else type(data).__name__
+            raise ProbeError(f"not a probe summary: expected format {_FORMAT!r}, got {got!r}")
+        steps = data.get("steps", 0)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise _bad('"steps"', steps, "an int >= 0")
+        meta = data.get("meta") or {}
+        if not isinstance(meta, Mapping):
+            raise _bad('"meta"', meta, "an object")
+        return cls(_decode_sites(data.get("sites")), steps=steps, meta=_decode_any(dict(meta)))
 
     def save(self, path: Union[str, os.PathLike]) -> None:
-        """Write the JSON file (atomically: a reader never sees half a file)."""
-        path = os.fspath(path)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=1, allow_nan=False)
-        os.replace(tmp, path)
+        """Write the JSON file atomically: a reader sees the old file or the new one, never half
+        (:func:`probe.files.atomic_write`: an exclusive, randomly named temporary file, never a
+        planted symlink, then ``os.replace``).
+
+        Raises:
+            OSError: the directory is not writable, the disk is full, ...
+        """
+        atomic_write(path, json.dumps(self.to_dict(), indent=1, allow_nan=False))
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "Summary":
-        """Read a ``probe_summary.json``, or the one inside a run directory."""
+        """Read a ``probe_summary.json``, or the one inside a run directory.
+
+        Raises:
+            ProbeError: the path is missing, not a regular file (a FIFO, ``/dev/null``, a
+                device), not JSON, nested too deeply, or JSON of the wrong shape, naming the path
+                and the problem.
+        """
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, SUMMARY_FILE)
+        raw = read_regular_file(path, "probe summary", _MAX_BYTES)
+        if not raw.strip():
+            raise ProbeError(f"cannot read probe summary {path!r}: the file is empty")
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError) as err:
-            raise ProbeError(f"cannot read probe summary {path!r}: {err}") from err
-        return cls.from_dict(data)
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ProbeError(f"cannot read probe summary {path!r}: not UTF-8 text ({err.reason} at byte {err.start})") from err
+        except ValueError as err:
+            raise ProbeError(f"cannot read probe summary {path!r}: not valid JSON: {err}") from err
+        except RecursionError:
+            raise ProbeError(f"cannot read probe summary {path!r}: JSON nested too deeply") from None
+        try:
+            return cls.from_dict(data)
+        except ProbeError as err:
+            raise ProbeError(f"{path!r}: {err}") from None
 
     def __repr__(self) -> str:
         return f"Summary({len(self._sites)} sites, {self.steps} steps)"

@@ -18,19 +18,21 @@ metric is an error ("no data"), so a limit is never met vacuously.
 from __future__ import annotations
 
 import configparser
+import difflib
 import fnmatch
 import math
-import operator
 import os
-import re
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from probe.errors import ProbeError, StabilityError
-from probe.stats.finalize import METRIC_ORDER
-from probe.summary import Summary
+from probe.files import read_regular_file
+from probe.summary import Summary, json_number
+from probe.threshold_expr import DEFAULT_THRESHOLDS, Threshold, ThresholdLike, as_thresholds, parse_threshold
+from probe.threshold_expr import _OPS
 
 __all__ = [
     "CONFIG_FILES",
@@ -49,154 +51,14 @@ __all__ = [
     "parse_threshold",
 ]
 
-#: Used when no threshold is given: the QK-Clip max-logit limit τ = 100 (Kimi K2,
-#: Megatron-LM) and no NaN/Inf among the logits or probabilities.
-DEFAULT_THRESHOLDS: Tuple[str, ...] = ("logit_max < 100", "nonfinite <= 0")
-
 #: Files searched for the probe section, in this order in each directory (pytest's order).
 CONFIG_FILES: Tuple[str, ...] = ("pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
 CONFIG_SECTION = "tool:probe"
+#: The keys the probe section may hold.
+CONFIG_KEYS: Tuple[str, ...] = ("thresholds",)
 
 #: Metrics that finalize reports as NaN when a head had nothing to measure.
 NAN_MEANS_NO_DATA = frozenset({"logit_var", "logit_max", "entropy", "max_prob", "saturation"})
-
-_OPS: Dict[str, Callable[[float, float], bool]] = {
-    "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
-}
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_SCALE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
-
-ThresholdLike = Union[str, "Threshold"]
-
-
-def _err(text: str, pos: int, message: str) -> ProbeError:
-    caret = " " * pos + "^"
-    return ProbeError(f"bad threshold {text!r} at position {pos}: {message}\n  {text}\n  {caret}")
-
-
-@dataclass(frozen=True)
-class Threshold:
-    """One parsed expression: heads of sites matching ``site`` must have ``metric@scale OP limit``."""
-
-    metric: str
-    op: str
-    limit: float
-    scale: str = "actual"
-    site: Optional[str] = None  # a glob; None means every site
-    text: str = ""
-
-    def holds(self, value: float) -> bool:
-        """``value OP limit``; False for NaN (comparisons with NaN are all false)."""
-        return _OPS[self.op](value, self.limit)
-
-    def __str__(self) -> str:
-        return self.text or (
-            f"{self.site + ':' if self.site else ''}{self.metric}@{self.scale} {self.op} {self.limit:g}"
-        )
-
-
-def _find_operator(text: str) -> int:
-    """Index of the first operator character outside ``[...]`` (a glob's ``[!0]`` is not ``!=``)."""
-    inside = False
-    for j, c in enumerate(text):
-        if c == "[":
-            inside = True
-        elif c == "]":
-            inside = False
-        elif c in "<>=!" and not inside:
-            return j
-    return -1
-
-
-def parse_threshold(text: str) -> Threshold:
-    """Parse ``[SITE_GLOB:]METRIC[@SCALE] OP VALUE`` (OP one of ``< <= > >=``).
-
-    Site globs use :func:`fnmatch.fnmatchcase` (``*`` also matches dots); the scale defaults to
-    ``actual``; the value is a finite float (a NaN limit would make every comparison false).
-
-    Raises:
-        ProbeError: naming the 0-based position of the problem, e.g. an unknown metric, a missing
-            or unsupported operator (``==``, ``!=``, ``=<``) or a value that is not a number.
-    """
-    if not isinstance(text, str):
-        raise ProbeError(f"expected a threshold expression string, got {type(text).__name__}")
-    if not text.strip():
-        raise _err(text, 0, "empty expression, expected METRIC OP VALUE such as 'logit_max < 100'")
-    i = _find_operator(text)
-    if i < 0:
-        raise _err(text, len(text), "expected an operator (one of < <= > >=)")
-    if text[i] in "=!":
-        raise _err(text, i, f"unsupported operator starting with {text[i]!r}, expected one of < <= > >=")
-    op = text[i] + "=" if text[i + 1: i + 2] == "=" else text[i]
-    after = i + len(op)
-    if text[after: after + 1] in ("<", ">", "=", "!"):
-        raise _err(text, after, f"unsupported operator {text[i: after + 1]!r}, expected one of < <= > >=")
-
-    # the value
-    rest = text[after:]
-    vpos = after + len(rest) - len(rest.lstrip())
-    token = rest.strip()
-    if not token:
-        raise _err(text, vpos, "expected a number after the operator")
-    if any(c.isspace() for c in token):
-        raise _err(text, vpos + token.index(next(c for c in token if c.isspace())), "unexpected text after the number")
-    try:
-        limit = float(token)
-    except ValueError:
-        raise _err(text, vpos, f"expected a number, got {token!r}") from None
-    if not math.isfinite(limit):
-        raise _err(text, vpos, f"expected a finite number, got {token!r}")
-
-    # the left side: [SITE_GLOB:]METRIC[@SCALE]
-    left = text[:i]
-    site: Optional[str] = None
-    start = 0
-    if ":" in left:
-        colon = left.rindex(":")
-        glob = left[:colon].strip()
-        if not glob:
-            raise _err(text, colon, "empty site glob before ':'")
-        site, start = glob, colon + 1
-    while start < len(left) and left[start].isspace():
-        start += 1
-    end = len(left.rstrip())
-    target = left[start:end]
-    if not target:
-        raise _err(text, start, "expected a metric name before the operator")
-    metric_text, at, scale_text = target.partition("@")
-    m = _NAME.match(metric_text)
-    if m is None or m.end() != len(metric_text):
-        pos = start + (m.end() if m else 0)
-        raise _err(text, pos, f"expected a metric name, got {metric_text!r}")
-    if metric_text not in METRIC_ORDER:
-        raise _err(text, start, f"unknown metric {metric_text!r}; known metrics: {', '.join(METRIC_ORDER)}")
-    scale = "actual"
-    if at:
-        spos = start + len(metric_text) + 1
-        s = _SCALE.match(scale_text)
-        if s is None or s.end() != len(scale_text):
-            raise _err(text, spos + (s.end() if s else 0), f"expected a scale name after '@', got {scale_text!r}")
-        scale = scale_text
-    return Threshold(metric=metric_text, op=op, limit=limit, scale=scale, site=site, text=text.strip())
-
-
-def as_thresholds(thresholds: Union[None, ThresholdLike, Iterable[ThresholdLike]]) -> List[Threshold]:
-    """Parsed thresholds: None gives :data:`DEFAULT_THRESHOLDS`; a string is one expression; an
-    empty list is an error (a check with no limit would pass vacuously)."""
-    if thresholds is None:
-        return [parse_threshold(t) for t in DEFAULT_THRESHOLDS]
-    if isinstance(thresholds, (str, Threshold)):
-        thresholds = [thresholds]
-    try:
-        items = list(thresholds)
-    except TypeError:
-        raise ProbeError(
-            f"expected `thresholds` to be an expression, a list of expressions or None, got {type(thresholds).__name__}"
-        ) from None
-    if not items:
-        raise ProbeError("expected `thresholds` to hold at least one expression, got an empty list "
-                         "(pass None for the defaults: " + ", ".join(DEFAULT_THRESHOLDS) + ")")
-    return [t if isinstance(t, Threshold) else parse_threshold(t) for t in items]
 
 
 @dataclass(frozen=True)
@@ -232,10 +94,12 @@ class Violation:
         return _OPS[self.op](self.value, self.limit)
 
     def to_dict(self) -> Dict[str, object]:
+        """Strict JSON, encoded as in ``probe_summary.json``: NaN is ``null``, ±inf ``"inf"`` /
+        ``"-inf"``."""
         return {
             "site": self.site, "head": self.head, "metric": self.metric, "scale": self.scale,
-            "value": None if math.isnan(self.value) else self.value, "op": self.op, "limit": self.limit,
-            "threshold": self.threshold, "excess": None if math.isnan(self.value) else self.excess,
+            "value": json_number(self.value), "op": self.op, "limit": self.limit,
+            "threshold": self.threshold, "excess": None if math.isnan(self.value) else json_number(self.excess),
         }
 
 
@@ -363,18 +227,30 @@ def find_config(start: Union[None, str, os.PathLike] = None) -> Optional[str]:
     """The first of ``pytest.ini``, ``pyproject.toml``, ``tox.ini``, ``setup.cfg`` holding a probe
     section (``[tool:probe]``; ``[tool.probe]`` in ``pyproject.toml``), searching ``start``
     (default: the current directory) and then each parent, like pytest's rootdir search. Files
-    without the section are skipped. None when there is none."""
+    without the section are skipped; a candidate file that cannot be parsed is an error (it may
+    hold the section: skipping it would let the defaults pass a check silently). None when there
+    is none.
+
+    Raises:
+        ProbeError: a candidate file cannot be read or parsed, naming it.
+    """
+    return _find_section(start)[0]
+
+
+def _find_section(start: Union[None, str, os.PathLike]) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
     here = os.path.abspath(os.fspath(start) if start is not None else os.getcwd())
     if os.path.isfile(here):
         here = os.path.dirname(here)
     while True:
         for name in CONFIG_FILES:
             path = os.path.join(here, name)
-            if os.path.isfile(path) and _has_section(path):
-                return path
+            if os.path.isfile(path):
+                section = _probe_section(path)
+                if section is not None:
+                    return path, section
         parent = os.path.dirname(here)
         if parent == here:
-            return None
+            return None, None
         here = parent
 
 
@@ -400,32 +276,43 @@ def _probe_section(path: str) -> Optional[Dict[str, Any]]:
     Raises:
         ProbeError: the file cannot be read or parsed.
     """
+    raw = read_regular_file(path, "config file", 16 << 20)
     if path.endswith(".toml"):
         toml = _toml()
         if toml is None:
             return None
         try:
-            with open(path, "rb") as f:
-                data = toml.load(f)
-        except (OSError, ValueError) as err:  # TOMLDecodeError is a ValueError
-            raise ProbeError(f"cannot read config file {path!r}: {err}") from err
+            data = toml.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ProbeError(f"cannot read config file {path!r}: not UTF-8 text ({err.reason} at byte {err.start})") from err
+        except ValueError as err:  # TOMLDecodeError is a ValueError
+            raise ProbeError(f"cannot parse config file {path!r}: {err}") from err
         tool = data.get("tool")
         section = tool.get("probe") if isinstance(tool, dict) else None
-        return section if isinstance(section, dict) else None
-    parser = configparser.ConfigParser(interpolation=None)
+        if section is not None and not isinstance(section, dict):
+            raise ProbeError(f"config file {path!r}: expected [tool.probe] to be a table, got {type(section).__name__}")
+        return _checked_keys(section, path)
+    # no DEFAULT section: its keys would leak into [tool:probe]
+    parser = configparser.ConfigParser(interpolation=None, default_section="\0no default section")
     try:
-        with open(path, encoding="utf-8") as f:
-            parser.read_file(f, source=path)
-    except (OSError, UnicodeDecodeError, configparser.Error) as err:
-        raise ProbeError(f"cannot read config file {path!r}: {err}") from err
-    return dict(parser.items(CONFIG_SECTION)) if parser.has_section(CONFIG_SECTION) else None
+        parser.read_string(raw.decode("utf-8"), source=path)
+    except UnicodeDecodeError as err:
+        raise ProbeError(f"cannot read config file {path!r}: not UTF-8 text ({err.reason} at byte {err.start})") from err
+    except configparser.Error as err:  # duplicate section or key, a line outside a section, a missing ']'
+        raise ProbeError(f"cannot parse config file {path!r}: {err}") from err
+    return _checked_keys(dict(parser.items(CONFIG_SECTION)) if parser.has_section(CONFIG_SECTION) else None, path)
 
 
-def _has_section(path: str) -> bool:
-    try:
-        return _probe_section(path) is not None
-    except ProbeError:
-        return False  # an unrelated, unparsable file does not stop the search
+def _checked_keys(section: Optional[Dict[str, Any]], path: str) -> Optional[Dict[str, Any]]:
+    """``section``, after a warning for each key probe does not know (a typo such as
+    ``threshold =`` must not pass unnoticed while the defaults apply)."""
+    for key in section or ():
+        if key not in CONFIG_KEYS:
+            close = difflib.get_close_matches(key, CONFIG_KEYS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            warnings.warn(f"probe: unknown key {key!r} in {_section_name(path)} of {path!r} is ignored "
+                          f"(known keys: {', '.join(CONFIG_KEYS)}){hint}", UserWarning, stacklevel=4)
+    return section
 
 
 def load_thresholds(
@@ -455,12 +342,13 @@ def load_thresholds(
             mistyped ``thresholds`` value, or a malformed expression (naming the file).
     """
     if path is None:
-        found = find_config(start)
+        found, section = _find_section(start)
         if found is None:
             return as_thresholds(None), None
         path = found
-    path = os.fspath(path)
-    section = _probe_section(path)
+    else:
+        path = os.fspath(path)
+        section = _probe_section(path)
     where = f"config file {path!r}"
     if section is None:
         raise ProbeError(f"{where} has no {_section_name(path)} section")

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import queue
-import threading
-import warnings
 from typing import Any, Callable, Dict, Iterator, Optional, Protocol, Set, Tuple, Type, runtime_checkable
 
 from probe.stats.finalize import head_reduce
 from probe.summary import Summary
 
-__all__ = ["BaseSink", "Sink", "SinkGuard", "Worker", "head_scalars", "scalar_tag"]
+__all__ = ["BaseSink", "Sink", "SinkGuard", "head_scalars", "scalar_tag"]
 
 
 @runtime_checkable
@@ -18,10 +15,11 @@ class Sink(Protocol):
     """Receives the metrics of each flush. Like ``SummaryWriter``: lazy, flushable, safe to
     close twice.
 
-    ``write(step, summary)`` runs on probe's background thread, once per flush, in step order;
+    ``write(step, summary)`` runs on a background thread of its own, once per flush, in step order;
     ``summary`` holds the flush window only (``summary.steps`` probed steps, the last being
-    ``step``), not the running total. An exception from any method is caught and warned about once
-    (:class:`SinkGuard`); it never reaches the training loop. A sink is a few lines::
+    ``step``; several flushes merged into one when the sink fell behind, see
+    :mod:`probe.sinks.writer`), not the running total. An exception from any method is caught
+    and warned about once (:class:`SinkGuard`); it never reaches the training loop. A sink is a few lines::
 
         class PrintSink:
             def write(self, step, summary):
@@ -108,7 +106,7 @@ class SinkGuard:
         try:
             getattr(sink, method)(*args)
             return True
-        except Exception as err:  # noqa: BLE001 - a sink failure never breaks training
+        except BaseException as err:  # noqa: BLE001 - a sink failure never breaks training, SystemExit included
             name = type(sink).__name__
             self.failures[name] = self.failures.get(name, 0) + 1
             key = (id(sink), type(err))
@@ -121,53 +119,3 @@ class SinkGuard:
                     f"{type(err).__name__} failures of this sink are not reported."
                 )
             return False
-
-
-class Worker:
-    """Runs jobs in order on one daemon thread, so training never waits on sink I/O.
-
-    A job that raises produces one warning (per distinct message) and the worker goes on: a
-    sink failure never breaks training.
-    """
-
-    def __init__(self, name: str = "probe-writer") -> None:
-        self._queue: "queue.Queue[Optional[Callable[[], Any]]]" = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
-        self._name = name
-        self._warned: set = set()
-        self._lock = threading.Lock()
-
-    def submit(self, job: Callable[[], Any]) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-        self._queue.put(job)
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                job()
-            except Exception as err:  # noqa: BLE001 - a failing sink must not stop training
-                self.warn(f"probe: a sink failed and was skipped: {type(err).__name__}: {err}")
-            finally:
-                self._queue.task_done()
-
-    def warn(self, message: str) -> None:
-        if message not in self._warned:
-            self._warned.add(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-
-    def join(self) -> None:
-        """Wait until every submitted job has run."""
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.join()
-
-    def stop(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-        self._thread = None

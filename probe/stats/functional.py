@@ -426,7 +426,7 @@ _BACKWARD_LIVE_BUFFERS = 8
 
 
 def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: Sequence[float],
-                         budget_bytes: int, acc: torch.dtype) -> List[Tensor]:
+                         budget_bytes: int, acc: torch.dtype, grad_scale: Optional[Tensor] = None) -> List[Tensor]:
     """Per-head ``Σ (∂L/∂Z^σ)²`` for positive float scales without bias or softcap (the common
     case), one tensor per scale in ``values``.
 
@@ -443,6 +443,8 @@ def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: S
         values: the distinct scales, all ``> 0`` (see :func:`shiftable`).
         budget_bytes: extra memory one chunk may use.
         acc: the accumulation dtype.
+        grad_scale: a factor applied to each chunk of ``dout`` (the sums come out multiplied by
+            its square; :func:`probe.stats.grads.grad_scale` keeps a huge gradient from overflowing).
 
     Pitfall: a fully masked row has ``Σe = 0`` and contributes 0; a NaN row stays NaN.
     """
@@ -462,6 +464,8 @@ def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: S
         n = R.numel()
         dP, e, t = (work[i * n : (i + 1) * n].view(R.shape) for i in range(3))
         dc, vc = dout[:, :, r0 : r0 + rows].float(), vt[..., :cols]
+        if grad_scale is not None:
+            dc = dc * grad_scale
         if kv_heads != heads:
             g = heads // kv_heads
             torch.matmul(dc.reshape(batch, kv_heads, g, rows, -1), vc.unsqueeze(2),

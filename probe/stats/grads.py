@@ -32,7 +32,7 @@ from torch import Tensor
 from probe.call import AttentionCall, Scale
 from probe.stats.functional import accumulation_dtype, chunk_rows, grad_logits_shifted, iter_chunks, shiftable
 
-__all__ = ["BACKWARD_METRICS", "grad_logits_chunk", "grad_logits_stats", "head_sq"]
+__all__ = ["BACKWARD_METRICS", "grad_logits_chunk", "grad_logits_stats", "grad_scale", "head_sq"]
 
 #: Metrics computed from the backward pass, in the order they are reported.
 BACKWARD_METRICS = ("grad_logits", "grad_q", "grad_k", "grad_v")
@@ -47,16 +47,33 @@ _BACKWARD_BUFFERS = 8
 def head_sq(grad: Tensor) -> Tensor:
     """Per-head sum of squares of a ``(B, H, L, d)`` gradient, shape ``(H,)``.
 
-    ``‖g_h‖² = Σ_{b, i, j} g[b, h, i, j]²``, accumulated in float32 by the norm kernel (no
-    squared copy of ``g`` is materialized), then returned in the accumulation dtype.
+    ``‖g_h‖² = Σ_{b, i, j} g[b, h, i, j]²``, accumulated by the norm kernel in the accumulation
+    dtype (no squared copy of ``g`` is materialized).
 
-    Pitfall: a half-precision gradient squared in its own dtype overflows at 256; the norm's
-    ``dtype=float32`` upcasts inside the reduction.
+    Pitfall: a half-precision gradient squared in its own dtype overflows at 256, and a float32
+    sum of squares overflows once entries pass ~1.8e19 (a loss scaled by 1e30 whose gradients are
+    still finite): the norm's ``dtype=`` upcasts inside the reduction, to float64 where the
+    device has it.
     """
-    # float64 gradients keep their precision (the norm refuses a narrowing dtype=).
-    dtype = grad.dtype if grad.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(grad.device)
+    dtype = torch.float64 if acc == torch.float64 or grad.dtype == torch.float64 else torch.float32
     norm = torch.linalg.vector_norm(grad, dim=(0, 2, 3), dtype=dtype)
-    return norm.to(accumulation_dtype(grad.device)).square()
+    return norm.to(acc).square()
+
+
+def grad_scale(grad: Tensor) -> Tensor:
+    """A power of two ``2**-e`` (0-dim float32, on the device, no host sync) that brings the
+    largest entry of ``grad`` into ``[1, 2)``; 1 for a zero or non-finite ``grad``.
+
+    ``∂L/∂Z`` is linear in the upstream gradient, so sums of squares computed from
+    ``grad * grad_scale(grad)`` and divided by its square in float64 are the same numbers without
+    the float32 overflow of a huge but finite gradient (a loss scaled by 1e30). Powers of two
+    scale exactly.
+    """
+    top = torch.linalg.vector_norm(grad.detach(), ord=math.inf).float()
+    exponent = torch.floor(torch.log2(top))
+    ok = torch.isfinite(exponent)
+    return torch.where(ok, torch.exp2(-torch.where(ok, exponent, 0.0)), 1.0)
 
 
 def _scale_view(scale: Scale, heads: int, like: Tensor) -> Scale:
@@ -177,17 +194,19 @@ def grad_logits_stats(
     acc = accumulation_dtype(q.device)
     if grad_probs is not None:
         dprobs = grad_probs.reshape(batch, heads, length, keys)
+        gs = grad_scale(dprobs)  # dP scaled to at most 2: no float32 overflow in the squares
 
         def dp_rows(r0: int, r1: int, cols: int, buffer: Optional[Tensor]) -> Tensor:
-            return dprobs[:, :, r0:r1, :cols].float()
+            return dprobs[:, :, r0:r1, :cols].float() * gs
 
     elif grad_output is not None and call.v is not None:
         vt = call.v.float().transpose(-1, -2)  # (B, Hk, dv, S)
         dout = grad_output.reshape(batch, heads, length, grad_output.shape[-1])
+        gs = grad_scale(dout)  # as above, applied to each chunk of dout rows
 
         def dp_rows(r0: int, r1: int, cols: int, buffer: Optional[Tensor]) -> Tensor:
             out = _workspace(buffer, (batch, heads, r1 - r0, cols), vt)
-            return _rows_times_kv(dout[:, :, r0:r1].float(), vt[..., :cols], kv_heads, out)
+            return _rows_times_kv(dout[:, :, r0:r1].float() * gs, vt[..., :cols], kv_heads, out)
 
     else:
         return {}
@@ -205,8 +224,10 @@ def grad_logits_stats(
     if groups and not own_logits and grad_probs is None and shiftable(call, values):  # type: ignore[arg-type]
         # the common case (no bias, no softcap, positive float scales): shared shifted logits,
         # one exp2 per scale, cache-sized chunks (probe.stats.functional.grad_logits_shifted)
-        parts = grad_logits_shifted(call, dout, vt, [float(v) for v in values], budget_bytes, acc)  # type: ignore[arg-type]
-        return {f"grad_logits_sq@{name}": part for names, part in zip(groups.values(), parts) for name in names}
+        parts = grad_logits_shifted(call, dout, vt, [float(v) for v in values], budget_bytes, acc,  # type: ignore[arg-type]
+                                    grad_scale=gs)
+        unscale = gs.to(acc).square()
+        return {f"grad_logits_sq@{name}": part / unscale for names, part in zip(groups.values(), parts) for name in names}
 
     # iter_chunks sizes its chunks for the forward's live buffers; ask it for the row count that
     # keeps the backward's larger set of buffers within the budget.
@@ -244,8 +265,9 @@ def grad_logits_stats(
             groups[None] = own_logits
             sums[own_logits[0]] = part_sum
     out: Dict[str, Tensor] = {}
+    unscale = gs.to(acc).square()
     for names in groups.values():
         if names[0] in sums:
             for name in names:
-                out[f"grad_logits_sq@{name}"] = sums[names[0]]
+                out[f"grad_logits_sq@{name}"] = sums[names[0]] / unscale
     return out

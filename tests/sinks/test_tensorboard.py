@@ -147,7 +147,7 @@ def test_flush_every_aggregates_windows_and_writes_at_their_last_step(tmp_path):
             # a window is handed to the sinks when the next window's first step begins
     assert [step for step, _ in rec.writes] == [2, 5, 6]
     assert [s.steps for _, s in rec.writes] == [3, 3, 1]
-    assert set(rec.threads) == {"probe-writer"}
+    assert set(rec.threads) == {"probe-writer-RecordingSink"}  # each sink has its own writer thread
     assert rec.closed == 1
     for (step, got), window in zip(rec.writes, (xs[0:3], xs[3:6], xs[6:7])):
         ref = reference_summary(model, window)
