@@ -19,7 +19,7 @@ from typing import IO, Any, Optional, Union
 from probe.errors import ProbeError
 from probe.sinks.base import BaseSink
 from probe.metrics import head_reduce
-from probe.summary import Summary
+from probe.summary import Summary, json_number
 
 __all__ = ["CSVSink", "JSONLSink"]
 
@@ -33,8 +33,9 @@ def _check_path(path: Any) -> str:
     return path
 
 
-def _num(v: float) -> Optional[float]:
-    return None if math.isnan(v) else float(v)
+def _num(v: float) -> Any:
+    """As in ``probe_summary.json``: NaN is ``null``, ±inf ``"inf"`` / ``"-inf"`` (strict JSON)."""
+    return json_number(v)
 
 
 class _FileSink(BaseSink):
@@ -76,7 +77,8 @@ class JSONLSink(_FileSink):
          "value": 0.41, "heads": [0.38, 0.44], "steps": 1}
 
     ``value`` is the head summary TensorBoard shows (mean; max for ``logit_max``; sum for
-    ``nonfinite``); ``heads`` the per-head values; NaN is written as ``null`` (strict JSON).
+    ``nonfinite``); ``heads`` the per-head values; NaN is written as ``null`` and ±inf as
+    ``"inf"`` / ``"-inf"`` (strict JSON, as in ``probe_summary.json``).
 
     Args:
         path: the ``.jsonl`` file (overwritten unless ``append``).

@@ -131,3 +131,17 @@ def test_gradient_norms_do_not_overflow_when_the_models_gradients_are_finite():
     for metric in ("grad_q", "grad_v", "grad_logits"):
         np.testing.assert_allclose(s.value("layers.0", metric, "actual"), ref.value("layers.0", metric, "actual") * 1e30,
                                    rtol=1e-4)
+
+
+def test_the_jsonl_sink_writes_inf_as_strict_json(tmp_path):
+    from probe.sinks.jsonl import JSONLSink
+
+    s = probe.Summary({"a": {"info": {}, "metrics": {"logit_max": {"actual": [1.0, math.inf]},
+                                                     "entropy": {"actual": [math.nan, 0.5]}}}}, steps=1)
+    with JSONLSink(tmp_path / "p.jsonl") as sink:
+        sink.write(3, s)
+    records = [json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON token {c}"))
+               for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    by_metric = {r["metric"]: r for r in records}
+    assert by_metric["logit_max"]["value"] == "inf" and by_metric["logit_max"]["heads"] == [1.0, "inf"]
+    assert by_metric["entropy"]["heads"] == [None, 0.5]
