@@ -286,7 +286,7 @@ def _probe_section(path: str) -> Optional[Dict[str, Any]]:
         except UnicodeDecodeError as err:
             raise ProbeError(f"cannot read config file {path!r}: not UTF-8 text ({err.reason} at byte {err.start})") from err
         except ValueError as err:  # TOMLDecodeError is a ValueError
-            raise ProbeError(f"cannot parse config file {path!r}: {err}") from err
+            raise ProbeError(f"cannot read config file {path!r}: it does not parse: {err}") from err
         tool = data.get("tool")
         section = tool.get("probe") if isinstance(tool, dict) else None
         if section is not None and not isinstance(section, dict):
@@ -299,7 +299,7 @@ def _probe_section(path: str) -> Optional[Dict[str, Any]]:
     except UnicodeDecodeError as err:
         raise ProbeError(f"cannot read config file {path!r}: not UTF-8 text ({err.reason} at byte {err.start})") from err
     except configparser.Error as err:  # duplicate section or key, a line outside a section, a missing ']'
-        raise ProbeError(f"cannot parse config file {path!r}: {err}") from err
+        raise ProbeError(f"cannot read config file {path!r}: it does not parse: {err}") from err
     return _checked_keys(dict(parser.items(CONFIG_SECTION)) if parser.has_section(CONFIG_SECTION) else None, path)
 
 

@@ -94,7 +94,7 @@ def test_a_closed_pipe_is_quiet_and_keeps_the_exit_code(tmp_path):
     ("tox.ini", "[tool:probe]\nthresholds = logit_max < 1\nthresholds = logit_max < 2\n", "already exists"),
     ("setup.cfg", "[tool:probe]\nthresholds = logit_max < 1\n[tool:probe]\n", "already exists"),
     ("pytest.ini", "[tool:probe\nthresholds = logit_max < 1\n", "no section headers"),
-    ("pyproject.toml", "[tool.probe]\nthresholds = [\n", "cannot parse config file"),
+    ("pyproject.toml", "[tool.probe]\nthresholds = [\n", "does not parse"),
 ])
 def test_a_config_file_that_fails_to_parse_is_exit_2_naming_it(tmp_path, capsys, monkeypatch, name, text, message):
     (tmp_path / name).write_text(text)
