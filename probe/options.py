@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+import os
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 from probe.errors import ProbeError
 from probe.threshold_expr import SCALE_NAME
 
-__all__ = ["BUILTIN_SCALES", "ExtraScale", "check_int", "check_scales", "check_seconds", "scale_value"]
+__all__ = ["BUILTIN_SCALES", "ExtraScale", "check_int", "check_scales", "check_seconds", "scale_value", "tensorboard_sink"]
 
 #: An extra named scale: a float, or a callable of d_k.
 ExtraScale = Union[float, Callable[[int], float]]
@@ -66,3 +67,21 @@ def check_seconds(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
         raise ProbeError(f"expected `{name}` to be a positive number of seconds, got {value!r}")
     return float(value)
+
+
+def tensorboard_sink(logdir: Any, per_head: bool) -> Tuple[Any, Optional[str]]:
+    """The TensorBoard sink for ``logdir`` (a path or a ``SummaryWriter``) and the directory
+    ``probe_summary.json`` goes to (None for a writer that does not say)."""
+    from probe.sinks.tensorboard import TensorBoardSink
+
+    if hasattr(logdir, "add_scalar"):  # an existing SummaryWriter
+        return TensorBoardSink(logdir, per_head), (logdir.get_logdir() if hasattr(logdir, "get_logdir") else None)
+    if not isinstance(logdir, (str, os.PathLike)):
+        raise ProbeError(f"expected `logdir` to be a path or a SummaryWriter, got {type(logdir).__name__}")
+    path = os.fspath(logdir)
+    if not path:
+        raise ProbeError("expected `logdir` to be a directory path, got an empty string "
+                         "(use logdir=None to keep the statistics in memory only)")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ProbeError(f"expected `logdir` to be a directory, got a file: {path!r}")
+    return TensorBoardSink(path, per_head), path

@@ -18,7 +18,7 @@ from probe.distributed import resolve_group
 from probe.errors import ProbeError
 from probe.forward_guard import ForwardFrame, RootHook
 from probe.once import WarnOnce
-from probe.options import BUILTIN_SCALES, ExtraScale, check_int, check_scales, check_seconds
+from probe.options import BUILTIN_SCALES, ExtraScale, check_int, check_scales, check_seconds, tensorboard_sink
 from probe.recorder import Recorder
 from probe.results import Results, pending_states
 from probe.schedule import Action, Schedule
@@ -112,7 +112,7 @@ class Probe:
         self._logdir: Optional[str] = None
         self._sinks: List[Sink] = []
         if logdir is not None:
-            sink = self._tensorboard_sink(logdir, per_head)  # validates `logdir` on every rank
+            sink, self._logdir = tensorboard_sink(logdir, per_head)  # validates `logdir` on every rank
             if writes:
                 self._sinks.append(sink)
             else:
@@ -152,24 +152,6 @@ class Probe:
         ref = weakref.ref(self)
         self._atexit = lambda: (lambda p: p.close() if p is not None else None)(ref())
         atexit.register(self._atexit)
-
-    # -- construction helpers ----------------------------------------------------------------
-    def _tensorboard_sink(self, logdir: Any, per_head: bool) -> Sink:
-        from probe.sinks.tensorboard import TensorBoardSink
-
-        if hasattr(logdir, "add_scalar"):  # an existing SummaryWriter
-            self._logdir = logdir.get_logdir() if hasattr(logdir, "get_logdir") else None
-            return TensorBoardSink(logdir, per_head)
-        if not isinstance(logdir, (str, os.PathLike)):
-            raise ProbeError(f"expected `logdir` to be a path or a SummaryWriter, got {type(logdir).__name__}")
-        path = os.fspath(logdir)
-        if not path:
-            raise ProbeError("expected `logdir` to be a directory path, got an empty string "
-                             "(use logdir=None to keep the statistics in memory only)")
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise ProbeError(f"expected `logdir` to be a directory, got a file: {path!r}")
-        self._logdir = path
-        return TensorBoardSink(path, per_head)
 
     # -- steps ---------------------------------------------------------------------------------
     @property
