@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from probe.errors import ProbeError
-from probe.stats.finalize import METRIC_ORDER
+from probe.metrics import METRIC_ORDER
 
 __all__ = ["DEFAULT_THRESHOLDS", "SCALE_NAME", "Threshold", "ThresholdLike", "as_thresholds", "parse_threshold"]
 
