@@ -205,7 +205,7 @@ class Probe:
         if flush and self._window and len(self._window) >= self._schedule.flush_every:
             self._flush()
         if wait:
-            self._worker.join()
+            self._writer.flush()
 
     def _sampled(self, step: Optional[int] = None) -> bool:
         return self._schedule(self._step if step is None else step) is Action.RECORD
