@@ -41,9 +41,11 @@ def logits_stats(logits: Tensor, saturation: float = 0.99, budget_bytes: int = 6
         empty when there are no query rows.
     """
     batch, heads, length, keys = logits.shape
+    if logits.numel() == 0:
+        return {}  # nothing to measure
     acc = accumulation_dtype(logits.device)
     floor = torch.finfo(logits.dtype).min / 2
-    step = chunk_rows(batch, heads, keys, budget_bytes)
+    step = min(chunk_rows(batch, heads, keys, budget_bytes), length)
     moments = soft = None
     nonfinite = torch.zeros(heads, dtype=acc, device=logits.device)
     for r0 in range(0, length, step):

@@ -451,8 +451,10 @@ def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: S
     batch, heads, length, _ = call.q.shape
     keys, kv_heads = call.k.shape[2], call.kv_heads
     vt = vt.transpose(-1, -2).contiguous().transpose(-1, -2)  # once, not per chunk (as k in _iter)
+    if batch * heads * length * keys == 0:
+        return [torch.zeros(heads, dtype=acc, device=call.q.device) for _ in values]
     step = min(max(1, budget_bytes // max(1, batch * heads * keys * 4 * _BACKWARD_LIVE_BUFFERS)),
-               cache_chunk_rows(batch, heads, keys))
+               cache_chunk_rows(batch, heads, keys), length)  # never above the rows there are
     last = [min(length, r0 + step) - 1 for r0 in range(0, length, step)] if call.causal else None
     block = call.causal and call.mask is None
     upper = torch.ones(step, step, dtype=torch.bool, device=call.q.device).triu(1) if block else None
@@ -556,6 +558,8 @@ def forward_stats(
     """
     batch, heads, length, _ = call.q.shape
     keys = call.k.shape[2]
+    if batch * heads * length * keys == 0:
+        return {}  # batch 0, no heads, no queries or no keys: nothing to measure
     acc = accumulation_dtype(call.q.device)
     groups: Dict[object, List[str]] = {}
     for name, value in scales.items():
@@ -572,8 +576,11 @@ def forward_stats(
     elif rows is not None and rows < length:
         cpu_positions = sample_rows(length, rows, generator)
         positions = cpu_positions.to(call.q.device, non_blocking=True)
-    # Within the budget, also keep a chunk near the cache size (never below 16 rows).
-    step = min(chunk_rows(batch, heads, keys, budget_bytes), cache_chunk_rows(batch, heads, keys))
+    total = length if positions is None else positions.shape[0]
+    # Within the budget, also keep a chunk near the cache size (never below 16 rows), and never
+    # above the rows there are: buffers (the causal block mask is step × step) are sized from it.
+    step = min(chunk_rows(batch, heads, keys, budget_bytes), cache_chunk_rows(batch, heads, keys),
+               max(1, total))
 
     shifted = shiftable(call, values)
     floats = [float(v) for v in values] if shifted else []
@@ -584,7 +591,6 @@ def forward_stats(
     work: Optional[Tensor] = None
     # last query position of each chunk (host side: the positions are drawn on the CPU)
     host_pos = None if positions is None else positions.cpu() if isinstance(rows, Tensor) else cpu_positions
-    total = length if positions is None else positions.shape[0]
     last = [(min(total, r0 + step) - 1) if host_pos is None else int(host_pos[min(total, r0 + step) - 1])
             for r0 in range(0, total, step)] if call.causal and call.q.device.type != "meta" else None
     # a causal call without other masks: mask only each chunk's diagonal block, with one mask
