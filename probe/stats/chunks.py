@@ -1,0 +1,161 @@
+"""Query-row chunks of one attention call: ``R = q·kᵀ`` rows and their masks, sized to a budget.
+
+A chunk's logit block ``(B, H, rows, S)`` is rebuilt from q and k (never the full ``L × S``
+matrix), in float32, with grouped-query attention handled without repeating k. Chunk lengths
+come from a byte budget (:func:`chunk_rows`) and, below it, from the cache size
+(:func:`cache_chunk_rows`); callers also cap them at the number of rows there are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from probe.call import AttentionCall
+
+__all__ = ["accumulation_dtype", "cache_chunk_rows", "chunk_rows", "iter_chunks", "sample_rows"]
+
+# How many (B, H, rows, S) float32 buffers one chunk keeps alive at once. The shifted path holds
+# R (shifted in place), its masked copy, exp(σD) and one product; the general path R, Z,
+# exp(Z − m) and the entropy product. Masks are bool (a quarter each); 6 covers both.
+_LIVE_BUFFERS = 6
+
+# Below the budget, chunks are also kept near the size of a core's L2 cache so that the few
+# elementwise passes of a chunk read it from cache rather than from memory (docs/performance.md).
+_CACHE_CHUNK_BYTES = 2 * 2**20
+
+
+def accumulation_dtype(device: torch.device) -> torch.dtype:
+    """float64 for running sums wherever the device has it (MPS has not)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def chunk_rows(batch: int, heads: int, keys: int, budget_bytes: int) -> int:
+    """Query rows per chunk so that the chunk's live buffers stay within ``budget_bytes``."""
+    per_row = max(1, batch * heads * keys * 4 * _LIVE_BUFFERS)
+    return max(1, budget_bytes // per_row)
+
+
+def cache_chunk_rows(batch: int, heads: int, keys: int) -> int:
+    """Query rows per chunk that keep one ``(B, H, rows, S)`` float32 buffer near the size of a
+    core's L2 cache (at least 16 rows, so the per-chunk Python overhead stays small)."""
+    return max(16, _CACHE_CHUNK_BYTES // max(1, batch * heads * keys * 4))
+
+
+def sample_rows(length: int, rows: int, generator: Optional[torch.Generator] = None,
+                device: Optional[torch.device] = None) -> Tensor:
+    """``rows`` distinct query positions drawn uniformly from ``range(length)``, sorted.
+
+    Each position is included with probability ``π = rows / length``; the same positions serve
+    every batch element and head. Drawn on the CPU (``generator`` is a CPU generator) and moved
+    to ``device`` without waiting.
+    """
+    idx = torch.randperm(length, generator=generator)[: min(rows, length)].sort().values
+    return idx.to(device, non_blocking=True) if device is not None else idx
+
+
+def _as_4d(t: Tensor) -> Tensor:
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    if t.dim() > 4:
+        t = t.reshape(-1, *t.shape[-3:])
+    return t
+
+
+def _rows(t: Optional[Tensor], r0: int, r1: int, pos: Optional[Tensor] = None) -> Optional[Tensor]:
+    """Rows ``r0:r1`` (or positions ``pos``) of a tensor broadcastable to ``(B, H, L, S)``."""
+    if t is None:
+        return None
+    t = _as_4d(t)
+    if t.shape[-2] == 1:
+        return t  # broadcast over rows
+    return t[..., r0:r1, :] if pos is None else t.index_select(-2, pos)
+
+
+def _bias_valid(bias: Tensor) -> Tensor:
+    # Hugging Face masks use finfo.min instead of -inf; anything at most half of it is masked.
+    return bias > torch.finfo(bias.dtype).min / 2
+
+
+def _chunk_mask(call: AttentionCall, r0: int, r1: int, pos: Optional[Tensor],
+                keys: int) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """(valid, bias) for rows ``r0:r1`` (or positions ``pos``) and keys ``0:keys``."""
+    device = call.q.device
+    valid = _rows(call.mask, r0, r1, pos)
+    bias = _rows(call.bias, r0, r1, pos)
+    if keys < call.k.shape[2]:
+        valid = None if valid is None else valid[..., :keys]
+        bias = None if bias is None else bias[..., :keys]
+    if bias is not None:
+        bias_ok = _bias_valid(bias)
+        valid = bias_ok if valid is None else valid & bias_ok
+        bias = torch.where(bias_ok, bias.float(), 0.0)
+    if call.causal:
+        rows = (torch.arange(r0, r1, device=device) if pos is None else pos).unsqueeze(-1)
+        causal = rows >= torch.arange(keys, device=device)  # top-left aligned, as SDPA
+        valid = causal if valid is None else valid & causal
+    return valid, bias
+
+
+def _iter(call: AttentionCall, step: int, positions: Optional[Tensor] = None, reuse: bool = False,
+          last: Optional[Sequence[int]] = None, causal_mask: bool = True
+          ) -> Iterator[Tuple[Tensor, Optional[Tensor], Optional[Tensor]]]:
+    """Chunks of ``(R, valid, bias)``; with ``reuse`` every ``R`` is a view of one buffer, valid
+    until the next chunk (a fresh large tensor per chunk costs page faults on CPUs).
+
+    ``last``: the last query position of each chunk, from the host (``None``: do not trim). Under
+    causal masking the keys after it are masked for every row of the chunk, so ``R`` only spans
+    keys ``0 .. last`` (about half the work for a causal call); callers that need all ``S``
+    columns (the backward's ``dP``) leave it ``None``. ``causal_mask=False`` leaves causal
+    masking to the caller (``valid`` then omits it; see :func:`_causal_block`).
+    """
+    q, k = call.q, call.k
+    batch, heads, length, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    # (B, Hk, d, S). Copied once when k's (B, H) dims cannot be flattened into one batch dim
+    # (Hugging Face's q/k/v are transposed views of (B, L, H, d)): otherwise every chunk's
+    # matmul would copy it again (measured: 8 ms of a 66 ms probed BERT step).
+    kt = k.float().contiguous().transpose(-1, -2)
+    if groups > 1:
+        kt = kt.expand(batch, -1, -1, -1).unsqueeze(2)  # (B, Hk, 1, d, S)
+    total = length if positions is None else positions.shape[0]
+    buffer = None
+    if reuse and total > 0:
+        buffer = torch.empty(batch * heads * min(step, total) * keys, device=q.device)
+    for r0 in range(0, total, step):
+        r1 = min(total, r0 + step)
+        rows = r1 - r0
+        pos = None if positions is None else positions[r0:r1]
+        qc = (q[:, :, r0:r1] if pos is None else q.index_select(2, pos)).float()
+        cols = keys if last is None or not call.causal else max(1, min(keys, last[r0 // step] + 1))
+        kc = kt if cols == keys else kt[..., :cols]
+        R = None if buffer is None else buffer[: batch * heads * rows * cols].view(batch, heads, rows, cols)
+        if groups > 1:
+            qc = qc.reshape(batch, kv_heads, groups, rows, dim)
+            out = None if R is None else R.view(batch, kv_heads, groups, rows, cols)
+            R = torch.matmul(qc, kc, out=out).view(batch, heads, rows, cols)
+        else:
+            R = torch.matmul(qc, kc, out=R)
+        if causal_mask:
+            valid, bias = _chunk_mask(call, r0, r1, pos, cols)
+        else:
+            valid, bias = _chunk_mask(dataclasses.replace(call, causal=False), r0, r1, pos, cols)
+        yield R, valid, bias
+
+
+def iter_chunks(
+    call: AttentionCall, budget_bytes: int
+) -> Iterator[Tuple[Tensor, Optional[Tensor], Optional[Tensor]]]:
+    """Yield ``(R, valid, bias)`` for consecutive chunks of query rows.
+
+    ``R`` is ``q[:, :, rows] @ k.T`` in float32, shape ``(B, H, l, S)``, computed once per chunk
+    for every scale (grouped-query attention without repeating k). ``valid`` (bool) and
+    ``bias`` (float32, masked entries zeroed) broadcast to ``R``; either may be ``None``.
+    ``R`` is a fresh buffer the caller may overwrite.
+    """
+    batch, heads = call.q.shape[:2]
+    yield from _iter(call, chunk_rows(batch, heads, call.k.shape[2], budget_bytes))

@@ -1,0 +1,197 @@
+"""The shifted path: one ``exp2`` per scale on ``D = R − rowmax(R)``, forward and backward.
+
+For calls without bias or softcap and with positive float scales (SDPA defaults, BERT, Llama,
+GPT): ``σ·rowmax(R)`` is the row max of ``σR`` for ``σ > 0``, so ``D`` is formed once per chunk
+and each distinct scale costs one exponential (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from probe.call import AttentionCall
+from probe.stats.chunks import _iter, cache_chunk_rows
+
+__all__ = ["grad_logits_shifted", "shifted_reduce", "shifted_rows"]
+
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def shifted_rows(R: Tensor, valid: Optional[Tensor], scales: Sequence[float],
+                  work: Optional[Tensor] = None, causal: Optional[Tuple[int, Tensor]] = None) -> List[Tensor]:
+    """Per-row sums of one chunk for the shifted path, each ``(B, H, l)`` float32.
+
+    With ``r`` the row max of ``R`` over valid keys and ``D = R − r`` (``≤ 0``), every positive
+    scale has row max ``σr``, so ``e = exp(σD)`` (computed as ``exp2(σ·log2(e)·D)``, three times
+    cheaper than ``exp`` on CPUs), ``Σe`` and ``Σ e·D`` give the row's entropy and max
+    probability (:func:`shifted_reduce`): one exponential and two row sums per scale.
+
+    Returns ``[n, r, ΣD, ΣD², min D, #non-finite, Σe_1, Σe·D_1, Σe_2, ...]`` where ``n`` is the
+    number of valid keys and ``#non-finite`` counts NaN/±inf among the row's valid logits.
+
+    ``work`` is scratch space of at least ``2·R.numel()`` floats, reused across chunks.
+    ``causal = (r0, upper)``: the chunk starts at query ``r0`` and is causal with no other mask;
+    only its diagonal block is masked, with ``upper`` (``triu(ones(step, step), 1)``, built once
+    per call). Masks that grow with the chunk's width fragment the CPU heap (measured: +20 MiB
+    of resident memory at L = 4096).
+
+    Pitfall: ``R`` is overwritten. Masked entries of ``D`` are ``-inf`` for the exponential and 0
+    in the sums (``0·(−inf)`` would be NaN); a fully masked row has ``r = −inf``, replaced by 0.
+    """
+    batch, heads, length, keys = R.shape
+    shape = (batch, heads, length)
+    if work is None or work.numel() < 2 * R.numel():
+        work = torch.empty(2 * R.numel(), device=R.device)
+    e = work[: R.numel()].view(R.shape)
+    masked = valid is not None or causal is not None
+    if causal is not None:
+        r0, upper = causal
+        if keys > r0:
+            R[..., r0:].masked_fill_(upper[:length, : keys - r0], -math.inf)
+        n_row = (torch.arange(r0 + 1, r0 + length + 1, device=R.device, dtype=torch.float32)
+                 .clamp(max=keys).expand(shape))
+    elif valid is None:
+        n_row = torch.full(shape, float(keys), device=R.device)
+    else:
+        R.masked_fill_(~valid, -math.inf)
+        n_row = valid.sum(-1, dtype=torch.float32).expand(shape)
+    # x·0 is 0 for finite x and NaN for NaN and ±inf (masked entries are −inf: subtract them)
+    bad = torch.nan_to_num(torch.mul(R, 0.0, out=e), nan=1.0, out=e).sum(-1)
+    if masked:
+        bad = bad - (keys - n_row)
+    rmax = R.amax(-1, keepdim=True)
+    rmax = torch.where(rmax == -math.inf, 0.0, rmax)
+    D = R.sub_(rmax)
+    D0 = D
+    if masked:
+        D0 = torch.nan_to_num(D, nan=math.nan, posinf=math.inf, neginf=0.0,
+                              out=work[R.numel() : 2 * R.numel()].view(R.shape))
+    out = [n_row, rmax.squeeze(-1), D0.sum(-1), torch.linalg.vector_norm(D0, dim=-1).square(),
+           D0.amin(-1), bad]  # masked entries of D0 are 0 >= every valid D: amin is the valid min
+    for sigma in scales:
+        torch.mul(D, sigma * _LOG2E, out=e).exp2_()
+        out.append(e.sum(-1))
+        out.append(e.mul_(D0).sum(-1))
+    return out
+
+
+def shifted_reduce(rows: List[Tensor], scales: Sequence[float], saturation: float,
+                    acc: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+    """Per-head (moments (5, H), softmax sums (len(scales), 4, H), nonfinite (H,)) from the
+    per-row sums of :func:`shifted_rows` (all rows of a call, concatenated).
+
+    Moments: a row has mean ``μ = r + ΣD/n`` and ``M2 = ΣD² − (ΣD)²/n``; rows combine exactly
+    per head, in ``acc``: ``mean = Σ nμ / Σ n``, ``M2 = Σ M2_row + Σ n(μ − mean)²`` (Chan).
+    ``ΣD² − (ΣD)²/n`` cancels only as much as ``mean(D)²/var(D)`` in a row, which is small
+    because ``D`` is measured from the row max, not from zero.
+    Softmax at ``σ``: ``H = log Σe − σ·Σ e·D / Σe``, ``max P = 1/Σe``; nonfinite probabilities:
+    every valid entry of a row whose log-sum-exp ``σr + log Σe`` is NaN or ``+inf``.
+    """
+    n, r, a, b, lo, bad = rows[:6]
+    dims = (0, 2)
+    n64, r64, a64 = n.to(acc), r.to(acc), a.to(acc)
+    seen = n > 0
+    safe_n = n64.clamp(min=1)
+    mu = r64 + a64 / safe_n
+    m2_row = (b.to(acc) - a64 * a64 / safe_n).clamp(min=0)
+    count = n64.sum(dims)
+    mean = (n64 * mu).sum(dims) / count.clamp(min=1)
+    m2 = m2_row.sum(dims) + (n64 * (mu - mean.view(1, -1, 1)).square()).sum(dims)
+    top = torch.where(seen, r, -math.inf).amax(dims).to(acc)
+    low = torch.where(seen, r + lo, math.inf).amin(dims).to(acc)
+    moments = torch.stack([count, mean, m2, top, low])
+
+    ok = n >= 2
+    log_n = torch.log(n.clamp(min=2))
+    n_ok = ok.sum(dims, dtype=acc)
+    soft, nonfinite = [], None
+    for i, sigma in enumerate(scales):
+        se, sed = rows[6 + 2 * i], rows[7 + 2 * i]
+        lse = torch.log(se)
+        entropy = (lse - sigma * sed / se).clamp(min=0) / log_n
+        max_prob = 1.0 / se
+        soft.append(torch.stack([
+            n_ok,
+            torch.where(ok, entropy, 0.0).sum(dims, dtype=acc),
+            torch.where(ok, max_prob, 0.0).sum(dims, dtype=acc),
+            (ok & (max_prob >= saturation)).sum(dims, dtype=acc),
+        ]))
+        if i == 0:
+            row_lse = lse + sigma * r
+            bad_rows = torch.isnan(row_lse) | (row_lse == math.inf)
+            nonfinite = bad.sum(dims, dtype=acc) + torch.where(bad_rows, n, 0.0).sum(dims, dtype=acc)
+    return moments, torch.stack(soft), nonfinite  # type: ignore[arg-type]
+
+
+# (B, H, rows, S) float32 buffers the backward's shifted path keeps alive: R, dP, e, a product,
+# masks and the next chunk's q rows; 8 leaves a margin (as probe.stats.grads).
+_BACKWARD_LIVE_BUFFERS = 8
+
+
+def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: Sequence[float],
+                         budget_bytes: int, acc: torch.dtype, grad_scale: Optional[Tensor] = None) -> List[Tensor]:
+    """Per-head ``Σ (∂L/∂Z^σ)²`` for positive float scales without bias or softcap (the common
+    case), one tensor per scale in ``values``.
+
+    As in the forward's shifted path (:mod:`probe.stats.functional`), ``D = R − rowmax`` is
+    formed once per chunk and ``e = exp(σD)`` once per scale; with ``c = Σ e·dP / Σe`` a row's
+    ``Σ_j (P_j (dP_j − c))² = ‖e ⊙ (dP − c)‖² / (Σe)²``. Chunks are cache-sized and reuse four
+    buffers (R, dP, e, one product); a causal chunk stops at its last query (later keys have
+    ``P = 0``, no gradient) and, without other masks, masks only its diagonal block.
+
+    Args:
+        call: the attention computation (no bias, no softcap).
+        dout: ``∂L/∂out`` as ``(B, H, L, dv)``.
+        vt: ``vᵀ`` in float32, ``(B, Hk, dv, S)``.
+        values: the distinct scales, all ``> 0`` (see :func:`shiftable`).
+        budget_bytes: extra memory one chunk may use.
+        acc: the accumulation dtype.
+        grad_scale: a factor applied to each chunk of ``dout`` (the sums come out multiplied by
+            its square; :func:`probe.stats.grads.grad_scale` keeps a huge gradient from overflowing).
+
+    Pitfall: a fully masked row has ``Σe = 0`` and contributes 0; a NaN row stays NaN.
+    """
+    batch, heads, length, _ = call.q.shape
+    keys, kv_heads = call.k.shape[2], call.kv_heads
+    vt = vt.transpose(-1, -2).contiguous().transpose(-1, -2)  # once, not per chunk (as k in _iter)
+    if batch * heads * length * keys == 0:
+        return [torch.zeros(heads, dtype=acc, device=call.q.device) for _ in values]
+    step = min(max(1, budget_bytes // max(1, batch * heads * keys * 4 * _BACKWARD_LIVE_BUFFERS)),
+               cache_chunk_rows(batch, heads, keys), length)  # never above the rows there are
+    last = [min(length, r0 + step) - 1 for r0 in range(0, length, step)] if call.causal else None
+    block = call.causal and call.mask is None
+    upper = torch.ones(step, step, dtype=torch.bool, device=call.q.device).triu(1) if block else None
+    sums = [torch.zeros(heads, dtype=acc, device=call.q.device) for _ in values]
+    work = torch.empty(3 * batch * heads * min(step, length) * keys, device=call.q.device)
+    r0 = 0
+    for R, valid, _ in _iter(call, step, reuse=True, last=last, causal_mask=not block):
+        rows, cols = R.shape[2], R.shape[3]
+        n = R.numel()
+        dP, e, t = (work[i * n : (i + 1) * n].view(R.shape) for i in range(3))
+        dc, vc = dout[:, :, r0 : r0 + rows].float(), vt[..., :cols]
+        if grad_scale is not None:
+            dc = dc * grad_scale
+        if kv_heads != heads:
+            g = heads // kv_heads
+            torch.matmul(dc.reshape(batch, kv_heads, g, rows, -1), vc.unsqueeze(2),
+                         out=dP.view(batch, kv_heads, g, rows, cols))
+        else:
+            torch.matmul(dc, vc, out=dP)
+        if upper is not None and cols > r0:
+            R[..., r0:].masked_fill_(upper[:rows, : cols - r0], -math.inf)
+        elif valid is not None:
+            R.masked_fill_(~valid, -math.inf)
+        rmax = R.amax(-1, keepdim=True)
+        D = R.sub_(torch.where(rmax == -math.inf, 0.0, rmax))
+        for i, sigma in enumerate(values):
+            torch.mul(D, sigma * _LOG2E, out=e).exp2_()
+            se = e.sum(-1)
+            c = torch.mul(e, dP, out=t).sum(-1, keepdim=True) / se.unsqueeze(-1)
+            g2 = torch.linalg.vector_norm(torch.sub(dP, c, out=t).mul_(e), dim=-1).square() / se.square()
+            sums[i] = sums[i] + torch.where(se == 0, 0.0, g2).sum((0, 2), dtype=acc)
+        r0 += rows
+    return sums
