@@ -1,36 +1,50 @@
-"""What probe costs per training step, side by side with a plain implementation.
+"""What probe costs per training step: arms interleaved round by round in one process.
 
-A Hugging Face BERT encoder built from a config (SDPA attention, 4 layers, hidden 256, 4 heads so
-d_k = 64, batch 2), forward + backward, at sequence 128 and 512. The arms run interleaved round by
-round in one process, so machine noise (other jobs, frequency changes) hits them alike:
+Workloads (``benchmarks/workloads.py``): ``bert-padded`` (HF BERT, SDPA, 4 layers, hidden 256,
+batch 2, seq 512, padding mask with 25 % padding on the second row) and ``llama-gqa`` (HF
+Llama, SDPA, 4 layers, hidden 256, 8 heads / 2 kv heads, batch 1, seq 1024, causal) by default;
+``bert`` (no mask) on request. Each step is forward + backward. Arms:
 
 - ``bare``: no probe.
 - ``unsampled``: a probe attached with ``every`` so large that the timed steps are never sampled.
-- ``every=1``: every step probed (all metrics, three scales, gradients).
-- ``every=10``: one step in ten probed; each round runs ten steps and reports their mean.
-- ``plain``: a straightforward implementation of the same statistics, written below: full logits
-  per scale, a separate softmax per scale, ``.item()`` per head and metric, and the same for the
-  softmax's gradient in backward.
+- ``every=1``: every step probed (all metrics, three scales, gradients), no logdir.
+- ``every=1+tb``: the same with a TensorBoard ``logdir``.
+- ``every=10+tb``: one step in ten probed, TensorBoard; a round is a 10-step window, reported
+  per step.
+- ``plain`` (``--plain``): a straightforward implementation of the same statistics, written
+  below: full logits and a separate softmax per scale, ``.item()`` per head and metric.
+- ``before:...`` (``--before MODULE``): the same arms with another version of probe imported
+  under another name (``benchmarks/before.sh`` makes one from a git commit), side by side.
 
-Prints per-arm medians and ratios to the bare step, and probe's overhead as a fraction of the
-plain implementation's. Timings on a shared machine are noisy: trust medians of interleaved
-rounds, not single numbers.
+Every round ends by waiting for the arm's background writer, and that wait is timed: what the
+writer could not finish during the step is charged to the arm, and no arm's writing spills into
+another's timing. The arms rotate who goes first each round. Prints medians and ratios to
+``bare``; after the rounds, ``close_s`` is how long ``close()`` took after a run of ``--close``
+probed steps with TensorBoard (``every=1``).
+
+Timings on a shared machine are noisy: trust the ratios of medians of interleaved rounds, not
+single numbers.
 
 Usage::
 
-    python benchmarks/overhead.py            # 30 rounds per sequence length
-    python benchmarks/overhead.py --quick    # about 2 minutes on 2 CPU cores
-    python benchmarks/overhead.py --quick --seq 512 --threads 1   # steadier on a busy machine
+    python benchmarks/overhead.py                      # both workloads, 20 rounds
+    python benchmarks/overhead.py --quick              # 7 rounds
+    python benchmarks/overhead.py --workload bert --seq 128 512 --plain
+    benchmarks/before.sh 7fc42e4 /tmp/before && \
+      PYTHONPATH=$PWD:/tmp/before python benchmarks/overhead.py --before probe_before
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import json
 import math
+import os
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -38,22 +52,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-import probe
-
-SCALE_NAMES = ("actual", "unscaled", "standard")
-
-
-def build_bert(seq: int) -> torch.nn.Module:
-    from transformers import BertConfig, BertModel
-
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-        intermediate_size=1024, max_position_embeddings=max(512, seq), hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, attn_implementation="sdpa",
-    )
-    return BertModel(config).train()
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import probe  # noqa: E402
+from workloads import WORKLOADS, build  # noqa: E402
 
 # -- the plain reference implementation ------------------------------------------------------
 class PlainStats:
@@ -147,105 +148,145 @@ class PlainMode(TorchFunctionMode):
 
 
 # -- arms ---------------------------------------------------------------------------------------
-def make_arms(seq: int, batch: int) -> Dict[str, Callable[[], float]]:
-    """Arm name → a function that runs its work for one round and returns seconds per step."""
-    base = build_bert(seq)
-    torch.manual_seed(1)
-    ids = torch.randint(0, 1000, (batch, seq))
+def _drain(p: Any) -> None:
+    """Wait until the probe's background writer has written everything submitted so far."""
+    worker = getattr(p, "_worker", None)
+    if worker is not None and hasattr(worker, "join"):
+        worker.join()
+    else:
+        p.summary()
 
-    def step(model: torch.nn.Module) -> None:
-        model.zero_grad(set_to_none=True)
-        out = model(input_ids=ids).last_hidden_state
-        out.float().square().mean().backward()
 
-    def timed(model: torch.nn.Module, steps: int = 1, wrap: Optional[Callable[[], Any]] = None) -> Callable[[], float]:
+class Arms:
+    """Arm name -> a function running one round and returning seconds per step."""
+
+    def __init__(self, workload: str, seq: int, batch: int, plain: bool, before: Optional[str],
+                 tmp: str) -> None:
+        w = build(workload, seq, batch)
+        self.description = w.description
+        self.step = w.step
+        self.probes: List[Any] = []
+        self.arms: Dict[str, Callable[[], float]] = {"bare": self._timed(copy.deepcopy(w.model))}
+        impls = [("", probe)]
+        if before:
+            impls.append(("before:", importlib.import_module(before)))
+        for prefix, impl in impls:
+            self._probe_arms(prefix, impl, w.model, tmp)
+        if plain:
+            self.plain = PlainStats()
+            model = copy.deepcopy(w.model)
+            self.arms["plain"] = self._timed(model, wrap=lambda: PlainMode(self.plain))
+
+    def _probe_arms(self, prefix: str, impl: Any, base: torch.nn.Module, tmp: str) -> None:
+        specs = {"unsampled": (10**9, False, 1), "every=1": (1, False, 1),
+                 "every=1+tb": (1, True, 1), "every=10+tb": (10, True, 10)}
+        for name, (every, tb, steps) in specs.items():
+            model = copy.deepcopy(base)
+            logdir = os.path.join(tmp, (prefix + name).replace(":", "_")) if tb else None
+            p = impl.watch(model, logdir=logdir, every=every)
+            self.probes.append(p)
+            if name == "unsampled":
+                self.step(model)  # step 0 is sampled; every later step is not
+                _drain(p)
+            self.arms[prefix + name] = self._timed(model, steps, p)
+
+    def _timed(self, model: torch.nn.Module, steps: int = 1, p: Any = None,
+               wrap: Optional[Callable[[], Any]] = None) -> Callable[[], float]:
         def run() -> float:
             t0 = time.perf_counter()
             for _ in range(steps):
                 if wrap is None:
-                    step(model)
+                    self.step(model)
                 else:
                     with wrap():
-                        step(model)
+                        self.step(model)
+            if p is not None:
+                _drain(p)
             return (time.perf_counter() - t0) / steps
         return run
 
-    models = {name: copy.deepcopy(base) for name in ("bare", "unsampled", "every=1", "every=10", "plain")}
-    probes = {
-        "unsampled": probe.watch(models["unsampled"], every=10**9),
-        "every=1": probe.watch(models["every=1"], every=1),
-        "every=10": probe.watch(models["every=10"], every=10),
-    }
-    step(models["unsampled"])  # step 0 is sampled; every later step is not
-    plain = PlainStats()
-
-    arms = {
-        "bare": timed(models["bare"]),
-        "unsampled": timed(models["unsampled"]),
-        "every=1": timed(models["every=1"]),
-        "every=10": timed(models["every=10"], steps=10),
-        "plain": timed(models["plain"], wrap=lambda: PlainMode(plain)),
-    }
-    arms["_probes"] = probes  # type: ignore[assignment]
-    arms["_plain"] = plain  # type: ignore[assignment]
-    return arms
+    def close(self) -> None:
+        for p in self.probes:
+            p.close()
 
 
-def run_length(seq: int, batch: int, rounds: int, warmup: int) -> Dict[str, Any]:
-    arms = make_arms(seq, batch)
-    probes = arms.pop("_probes")
-    plain = arms.pop("_plain")
-    times: Dict[str, List[float]] = {name: [] for name in arms}
-    for r in range(warmup + rounds):
-        order = list(arms)
-        order = order[r % len(order):] + order[: r % len(order)]  # rotate who goes first
-        for name in order:
-            t = arms[name]()
-            if r >= warmup:
-                times[name].append(t)
-    for p in probes.values():
-        p.close()
-    assert plain.values, "the plain arm captured nothing"
+def close_time(workload: str, seq: int, batch: int, steps: int, tmp: str) -> float:
+    """Seconds ``close()`` takes after ``steps`` probed steps with TensorBoard (``every=1``)."""
+    w = build(workload, seq, batch)
+    p = probe.watch(w.model, logdir=os.path.join(tmp, "close"), every=1)
+    for _ in range(steps):
+        w.step(w.model)
+    t0 = time.perf_counter()
+    p.close()
+    return time.perf_counter() - t0
+
+
+def run_workload(workload: str, seq: int, batch: int, rounds: int, warmup: int, plain: bool,
+                 before: Optional[str], close_steps: int) -> Dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        arms = Arms(workload, seq, batch, plain, before, tmp)
+        times: Dict[str, List[float]] = {name: [] for name in arms.arms}
+        for r in range(warmup + rounds):
+            order = list(arms.arms)
+            order = order[r % len(order):] + order[: r % len(order)]  # rotate who goes first
+            for name in order:
+                t = arms.arms[name]()
+                if r >= warmup:
+                    times[name].append(t)
+        arms.close()
+        close_s = close_time(workload, seq, batch, close_steps, tmp) if close_steps else None
     med = {name: statistics.median(ts) for name, ts in times.items()}
     bare = med["bare"]
-    result = {
-        "seq": seq, "batch": batch, "rounds": rounds,
+    result: Dict[str, Any] = {
+        "workload": workload, "description": arms.description, "rounds": rounds,
+        "threads": torch.get_num_threads(),
         "median_ms": {n: 1e3 * m for n, m in med.items()},
         "ratio": {n: m / bare for n, m in med.items()},
+        "close_s": close_s, "close_steps": close_steps,
     }
-    plain_over = med["plain"] - bare
-    result["overhead_vs_plain"] = (med["every=1"] - bare) / plain_over if plain_over > 0 else float("nan")
+    if plain:
+        assert arms.plain.values, "the plain arm captured nothing"
+        plain_over = med["plain"] - bare
+        result["overhead_vs_plain"] = (med["every=1"] - bare) / plain_over if plain_over > 0 else math.nan
     return result
 
 
 def print_result(res: Dict[str, Any]) -> None:
-    print(f"\nBERT 4 layers, hidden 256, 4 heads (d_k 64), batch {res['batch']}, seq {res['seq']}, "
-          f"forward + backward, {res['rounds']} interleaved rounds, torch threads {torch.get_num_threads()}")
-    print(f"{'arm':<12}{'median ms':>12}{'x bare':>10}")
+    print(f"\n{res['description']}\nforward + backward, {res['rounds']} interleaved rounds, "
+          f"torch threads {res['threads']}")
+    print(f"{'arm':<22}{'median ms':>12}{'x bare':>10}")
     for name, ms in res["median_ms"].items():
-        print(f"{name:<12}{ms:>12.1f}{res['ratio'][name]:>10.3f}")
-    print(f"probe overhead / plain overhead (every=1): {res['overhead_vs_plain']:.3f}")
+        print(f"{name:<22}{ms:>12.1f}{res['ratio'][name]:>10.3f}")
+    if "overhead_vs_plain" in res:
+        print(f"probe overhead / plain overhead (every=1): {res['overhead_vs_plain']:.3f}")
+    if res["close_s"] is not None:
+        print(f"close() after {res['close_steps']} probed TensorBoard steps: {res['close_s']:.2f} s")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds (about 2 minutes on 2 cores)")
+    parser.add_argument("--workload", nargs="+", default=["bert-padded", "llama-gqa"], choices=list(WORKLOADS))
+    parser.add_argument("--quick", action="store_true", help="7 rounds")
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--seq", type=int, nargs="+", default=[128, 512])
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, nargs="+", default=[0], help="sequence lengths (0: the workload's)")
+    parser.add_argument("--batch", type=int, default=0, help="batch size (0: the workload's)")
+    parser.add_argument("--plain", action="store_true", help="add the plain reference arm")
+    parser.add_argument("--before", default=None, help="module name of another probe version to run side by side")
+    parser.add_argument("--close", type=int, default=100, help="probed steps before timing close() (0: skip)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (1 is steadier on a machine shared with other jobs)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rounds = args.rounds or (7 if args.quick else 30)
+    rounds = args.rounds or (7 if args.quick else 20)
     results = []
-    for seq in args.seq:
-        res = run_length(seq, args.batch, rounds, warmup=2)
-        print_result(res)
-        sys.stdout.flush()
-        results.append(res)
+    for workload in args.workload:
+        for seq in args.seq:
+            res = run_workload(workload, seq, args.batch, rounds, 2, args.plain, args.before, args.close)
+            print_result(res)
+            sys.stdout.flush()
+            results.append(res)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)

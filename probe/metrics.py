@@ -36,8 +36,10 @@ __all__ = [
 Reduction = Literal["sum", "max", "moments", "last"]
 #: How the reported value is made from the state: ``var`` = M2 / n of the moments (NaN when n
 #: is 0); ``max`` = the max (NaN when the moments' count is 0); ``per_row`` = sum / ``rows``
-#: (NaN when no row); ``root`` = sqrt of a sum of squares; ``count`` = the sum itself.
-Final = Literal["var", "max", "per_row", "root", "count"]
+#: (NaN when no row); ``root`` = sqrt of a sum of squares; ``count`` = the sum itself; ``se`` =
+#: sqrt(summed variance estimates) / ``rows``, the standard error of a ``per_row`` mean
+#: estimated from sampled rows (``rows=``).
+Final = Literal["var", "max", "per_row", "root", "count", "se"]
 #: How values fold: mean, max, sum, or root of the sum of squares (a norm); NaN values ignored.
 Fold = Literal["mean", "max", "sum", "rss"]
 
@@ -107,6 +109,11 @@ METRICS: Tuple[MetricSpec, ...] = (
     _grad("grad_q"),
     _grad("grad_k"),
     _grad("grad_v"),
+    # standard errors of the sampled means (`rows=`, probe.stats.functional.forward_stats);
+    # present only when rows were sampled
+    MetricSpec("entropy_se", False, "entropy_var", "sum", "se", "mean", "mean", True, _UNIT),
+    MetricSpec("max_prob_se", False, "max_prob_var", "sum", "se", "mean", "mean", True, _UNIT),
+    MetricSpec("saturation_se", False, "saturated_var", "sum", "se", "mean", "mean", True, _UNIT),
 )
 
 METRIC_ORDER: Tuple[str, ...] = tuple(m.name for m in METRICS)

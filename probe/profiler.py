@@ -53,11 +53,12 @@ class Probe:
         memory_budget: bytes of extra memory the statistics of one call may use (query rows are
             processed in chunks that fit).
         sinks: extra sinks receiving each flush (see :class:`probe.sinks.base.Sink`).
-        rows: query-row sampling for long sequences: forward metrics of a call with more than
-            ``rows`` query rows use ``rows`` positions drawn uniformly (seeded, reproducible).
-            ``entropy``, ``max_prob``, ``saturation`` and ``nonfinite`` stay unbiased (standard
-            error in ``docs/performance.md``); ``logit_max`` becomes a lower bound and
-            ``logit_var`` the variance of the sampled rows; info gets ``"rows"``. ``None``: all rows.
+        rows: a budget of query rows for the exponential metrics of long sequences: ``entropy``,
+            ``max_prob`` and ``saturation`` of a call with more than ``rows`` query rows are
+            computed on ``rows`` positions drawn uniformly (seeded, reproducible), unbiased, with
+            their standard errors as ``entropy_se``, ``max_prob_se``, ``saturation_se``;
+            ``logit_var``, ``logit_max`` and counts stay exact (docs/performance.md); info gets
+            ``"rows"``. ``None``: every statistic exact.
         close_timeout: seconds :meth:`close` waits for the sinks to write what they hold; a sink
             still busy after that is named in a warning and left behind (``probe_summary.json`` is
             written before the wait, so it is complete either way).

@@ -236,7 +236,8 @@ class Recorder:
         if info is None:
             info = self.infos[key] = SiteInfo(call.kind, call.heads, call.kv_heads, call.d_k, softcap=call.softcap)
         if self.rows is not None and call.q.shape[2] > self.rows:
-            info.rows = f"{self.rows} of {call.q.shape[2]} query rows sampled: logit_max is a lower bound"
+            info.rows = (f"{self.rows} of {call.q.shape[2]} query rows sampled for entropy, max_prob, "
+                         "saturation: estimates, standard errors in *_se; logit_var, logit_max exact")
         if not isinstance(call.scale, Tensor):
             info.scale = None if call.scale is None else float(call.scale)
         info.calls += 1

@@ -49,6 +49,11 @@ def finalize(state: State) -> Dict[str, Dict[str, np.ndarray]]:
                 continue
             r = rows.detach().to("cpu", torch.float64)
             res = torch.where(r > 0, v / r.clamp(min=1), torch.nan)
+        elif metric.final == "se":
+            if rows is None:
+                continue
+            r = rows.detach().to("cpu", torch.float64)
+            res = torch.where(r > 0, v.clamp(min=0).sqrt() / r.clamp(min=1), torch.nan)
         elif metric.final == "root":
             res = v.clamp(min=0).sqrt()
         else:

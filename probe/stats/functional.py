@@ -25,7 +25,6 @@ from torch import Tensor
 
 from probe.call import AttentionCall, Scale
 from probe.stats.chunks import (
-    _chunk_mask,
     _iter,
     accumulation_dtype,
     cache_chunk_rows,
@@ -53,22 +52,6 @@ __all__ = [
 
 #: Metrics computed in the forward pass, in the order they are reported.
 FORWARD_METRICS = ("logit_var", "logit_max", "entropy", "max_prob", "saturation", "nonfinite")
-
-
-def _valid_rows(call: AttentionCall, step: int) -> Tensor:
-    """Per head, the number of query rows with at least two valid keys (mask and bias only)."""
-    batch, heads, length, _ = call.q.shape
-    keys = call.k.shape[2]
-    total = torch.zeros(heads, device=call.q.device)
-    for r0 in range(0, length, step):
-        r1 = min(length, r0 + step)
-        valid, _ = _chunk_mask(call, r0, r1, None, keys)
-        if valid is None:
-            n_row = torch.full((1, 1, 1), keys, device=call.q.device)
-        else:
-            n_row = valid.sum(-1)
-        total = total + (n_row >= 2).expand(batch, heads, r1 - r0).sum((0, 2))
-    return total
 
 
 def _scaled_moments(moments: Tensor, scale: Scale, heads: int) -> Tuple[Tensor, Tensor]:
@@ -109,17 +92,21 @@ def forward_stats(
         scales: scale name → value (``"actual"`` must be present; it also gives ``nonfinite``).
         saturation: τ, a row is saturated when its max probability is at least τ.
         budget_bytes: extra memory allowed for one chunk's buffers.
-        rows: query-row sampling. ``None`` uses every row; an int ``N < L`` draws ``N`` distinct
-            positions uniformly (:func:`sample_rows`, with ``generator``); a 1-D tensor gives the
-            sorted positions. With ``π = N / L``, the row sums (entropy, max_prob, saturated,
-            nonfinite) are weighted by ``1/π`` (Horvitz–Thompson) and ``rows`` is the exact
-            number of valid rows, so the mean metrics are unbiased; ``logit_var`` is the variance
-            of the sampled logits (consistent, not unbiased) and ``logit_max`` a lower bound.
+        rows: a budget of query rows for the exponential metrics. ``None`` (or ``N >= L``):
+            every row, all statistics exact. An int ``N < L`` draws ``N`` distinct positions
+            uniformly (:func:`sample_rows`, with ``generator``); a 1-D tensor gives the sorted
+            positions. Only ``entropy``, ``max_prob``, ``saturated`` and the non-finite
+            probabilities are then computed on those rows, as Horvitz–Thompson totals (weight
+            ``L/N``; divided by the exact valid-row count ``rows`` they are unbiased means), with
+            ``{field}_var@{s}`` fields holding each total's estimated variance; ``logit_var``,
+            ``logit_max``, the row count and the non-finite logits stay exact. Calls taking the
+            general path (bias, softcap, per-head or non-positive scale) are always exact.
         generator: the CPU generator for ``rows=N`` (``None``: torch's global generator).
 
     Returns:
         Field name → per-head tensor: ``logit@{s}`` (count/mean/M2 stack), ``logit_max@{s}``,
-        ``rows``, ``entropy@{s}``, ``max_prob@{s}``, ``saturated@{s}`` and ``nonfinite``.
+        ``rows``, ``entropy@{s}``, ``max_prob@{s}``, ``saturated@{s}`` and ``nonfinite``; with
+        sampled rows also ``entropy_var@{s}``, ``max_prob_var@{s}``, ``saturated_var@{s}``.
     """
     batch, heads, length, _ = call.q.shape
     keys = call.k.shape[2]
@@ -133,64 +120,17 @@ def forward_stats(
     # the group holding `actual` goes first: it also gives `nonfinite`
     order = sorted(groups.values(), key=lambda names: "actual" not in names)
     values = [scales[names[0]] for names in order]
-
-    positions: Optional[Tensor] = None
-    cpu_positions: Optional[Tensor] = None
-    if isinstance(rows, Tensor):
-        positions = rows.to(call.q.device)
-    elif rows is not None and rows < length:
-        cpu_positions = sample_rows(length, rows, generator)
-        positions = cpu_positions.to(call.q.device, non_blocking=True)
-    total = length if positions is None else positions.shape[0]
     # Within the budget, also keep a chunk near the cache size (never below 16 rows), and never
     # above the rows there are: buffers (the causal block mask is step × step) are sized from it.
-    step = min(chunk_rows(batch, heads, keys, budget_bytes), cache_chunk_rows(batch, heads, keys),
-               max(1, total))
+    step = min(chunk_rows(batch, heads, keys, budget_bytes), cache_chunk_rows(batch, heads, keys), length)
 
-    shifted = shiftable(call, values)
-    floats = [float(v) for v in values] if shifted else []
-    moments: Optional[Tensor] = None
-    soft: Optional[Tensor] = None
-    nonfinite = torch.zeros(heads, dtype=acc, device=call.q.device)
-    row_parts: List[List[Tensor]] = []
-    work: Optional[Tensor] = None
-    # last query position of each chunk (host side: the positions are drawn on the CPU)
-    host_pos = None if positions is None else positions.cpu() if isinstance(rows, Tensor) else cpu_positions
-    last = [(min(total, r0 + step) - 1) if host_pos is None else int(host_pos[min(total, r0 + step) - 1])
-            for r0 in range(0, total, step)] if call.causal and call.q.device.type != "meta" else None
-    # a causal call without other masks: mask only each chunk's diagonal block, with one mask
-    block = shifted and call.causal and positions is None and call.mask is None
-    upper = torch.ones(step, step, dtype=torch.bool, device=call.q.device).triu(1) if block else None
-    for index, (R, valid, bias) in enumerate(_iter(call, step, positions, reuse=shifted, last=last,
-                                                   causal_mask=not block)):
-        if shifted:  # per-row sums now, one per-head reduction at the end (fewer small ops)
-            if work is None:  # sized for the widest chunk (causal chunks grow)
-                work = torch.empty(2 * batch * heads * min(step, total) * keys, device=R.device)
-            causal = None if upper is None else (index * step, upper)
-            # one (K, B, H, l) tensor per chunk: thousands of small tensors cost heap at long L
-            row_parts.append(torch.stack(shifted_rows(R, valid, floats, work, causal)))
-            continue
-        part, sums, bad = general_chunk(R, valid, bias, values, call.softcap, saturation, acc)
-        if moments is None:
-            moments, soft = part, sums
-        else:
-            mv = combine_moments(moments[:3], part[:3])
-            moments = torch.cat([mv, torch.maximum(moments[3:4], part[3:4]), torch.minimum(moments[4:5], part[4:5])])
-            soft = soft + sums
-        nonfinite = nonfinite + bad
-    if row_parts:
-        rows_all = torch.cat(row_parts, dim=-1) if len(row_parts) > 1 else row_parts[0]
-        row_parts.clear()
-        moments, soft, nonfinite = shifted_reduce(list(rows_all.unbind(0)), floats, saturation, acc)
-    if moments is None or soft is None:  # no query rows: nothing to report
-        return {}
-    row_count = soft[0, 0]
-    if positions is not None:
-        weight = length / max(1, positions.shape[0])  # 1/π, Horvitz–Thompson
-        soft = soft * weight
-        nonfinite = nonfinite * weight
-        moments = torch.cat([moments[:1] * weight, moments[1:]])
-        row_count = _valid_rows(call, step).to(acc)
+    if shiftable(call, values):
+        floats = [float(v) for v in values]
+        moments, soft, nonfinite, var = _shifted_stats(call, floats, saturation, step, acc,
+                                                       _sampled_positions(rows, length, generator))
+    else:
+        moments, soft, nonfinite = _general_stats(call, values, saturation, step, acc)
+        var = None
 
     out: Dict[str, Tensor] = {"nonfinite": nonfinite}
     for i, names in enumerate(order):
@@ -200,5 +140,72 @@ def forward_stats(
             out[f"entropy@{name}"] = sums[1]
             out[f"max_prob@{name}"] = sums[2]
             out[f"saturated@{name}"] = sums[3]
-    out["rows"] = row_count
+            if var is not None:
+                out[f"entropy_var@{name}"] = var[i, 0]
+                out[f"max_prob_var@{name}"] = var[i, 1]
+                out[f"saturated_var@{name}"] = var[i, 2]
+    out["rows"] = soft[0, 0]
     return out
+
+
+def _sampled_positions(rows: Union[None, int, Tensor], length: int,
+                       generator: Optional[torch.Generator]) -> Optional[Tensor]:
+    """Sorted CPU positions of the rows whose exponential metrics are computed (None: all)."""
+    if isinstance(rows, Tensor):
+        positions = rows.cpu()  # given by the caller; on the host to split it into chunks
+        return None if positions.shape[0] >= length else positions
+    if rows is None or rows >= length:
+        return None
+    return sample_rows(length, rows, generator)
+
+
+def _shifted_stats(call: AttentionCall, floats: List[float], saturation: float, step: int,
+                   acc: torch.dtype, positions: Optional[Tensor]
+                   ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """The shifted path over every row; exponentials on ``positions`` only (all when None)."""
+    batch, heads, length, _ = call.q.shape
+    keys = call.k.shape[2]
+    device = call.q.device
+    starts = range(0, length, step)
+    # last query position of each chunk, on the host (meta tensors: do not trim)
+    last = [min(length, r0 + step) - 1 for r0 in starts] if call.causal and device.type != "meta" else None
+    picks: List[Optional[Tensor]] = [None] * len(starts)
+    if positions is not None:  # local indices of the sampled rows in each chunk
+        chunk_of = positions // step
+        picks = [(positions[chunk_of == c] - r0).to(device, non_blocking=True) for c, r0 in enumerate(starts)]
+    # a causal call without other masks: mask only each chunk's diagonal block, with one mask
+    block = call.causal and call.mask is None
+    upper = torch.ones(step, step, dtype=torch.bool, device=device).triu(1) if block else None
+    work = torch.empty(2 * batch * heads * step * keys, device=device)  # the widest chunk
+    exact_parts: List[Tensor] = []
+    soft_parts: List[Tensor] = []
+    chunks = _iter(call, step, None, reuse=True, last=last, causal_mask=not block)
+    for index, (R, valid, _) in enumerate(chunks):
+        causal = None if upper is None else (index * step, upper)
+        exact, soft = shifted_rows(R, valid, floats, work, causal, picks[index])
+        # one (K, B, H, l) tensor per chunk: thousands of small tensors cost heap at long L
+        exact_parts.append(torch.stack(exact))
+        soft_parts.append(torch.stack(soft))
+    exact_all = torch.cat(exact_parts, dim=-1) if len(exact_parts) > 1 else exact_parts[0]
+    soft_all = torch.cat(soft_parts, dim=-1) if len(soft_parts) > 1 else soft_parts[0]
+    return shifted_reduce(list(exact_all.unbind(0)), list(soft_all.unbind(0)), floats, saturation, acc,
+                          None if positions is None else length)
+
+
+def _general_stats(call: AttentionCall, values: Sequence[Scale], saturation: float, step: int,
+                   acc: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+    """The general path (bias, softcap, per-head or non-positive scales), every row."""
+    moments: Optional[Tensor] = None
+    soft: Optional[Tensor] = None
+    nonfinite = torch.zeros(call.q.shape[1], dtype=acc, device=call.q.device)
+    for R, valid, bias in _iter(call, step):
+        part, sums, bad = general_chunk(R, valid, bias, values, call.softcap, saturation, acc)
+        if moments is None or soft is None:
+            moments, soft = part, sums
+        else:
+            mv = combine_moments(moments[:3], part[:3])
+            moments = torch.cat([mv, torch.maximum(moments[3:4], part[3:4]), torch.minimum(moments[4:5], part[4:5])])
+            soft = soft + sums
+        nonfinite = nonfinite + bad
+    assert moments is not None and soft is not None  # length > 0
+    return moments, soft, nonfinite

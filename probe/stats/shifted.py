@@ -22,7 +22,8 @@ _LOG2E = 1.0 / math.log(2.0)
 
 
 def shifted_rows(R: Tensor, valid: Optional[Tensor], scales: Sequence[float],
-                  work: Optional[Tensor] = None, causal: Optional[Tuple[int, Tensor]] = None) -> List[Tensor]:
+                 work: Optional[Tensor] = None, causal: Optional[Tuple[int, Tensor]] = None,
+                 pick: Optional[Tensor] = None) -> Tuple[List[Tensor], List[Tensor]]:
     """Per-row sums of one chunk for the shifted path, each ``(B, H, l)`` float32.
 
     With ``r`` the row max of ``R`` over valid keys and ``D = R − r`` (``≤ 0``), every positive
@@ -30,8 +31,11 @@ def shifted_rows(R: Tensor, valid: Optional[Tensor], scales: Sequence[float],
     cheaper than ``exp`` on CPUs), ``Σe`` and ``Σ e·D`` give the row's entropy and max
     probability (:func:`shifted_reduce`): one exponential and two row sums per scale.
 
-    Returns ``[n, r, ΣD, ΣD², min D, #non-finite, Σe_1, Σe·D_1, Σe_2, ...]`` where ``n`` is the
-    number of valid keys and ``#non-finite`` counts NaN/±inf among the row's valid logits.
+    Returns ``(exact, soft)``: ``exact = [n, r, ΣD, ΣD², min D, #non-finite]`` for every row of
+    the chunk, where ``n`` is the number of valid keys and ``#non-finite`` counts NaN/±inf among
+    the row's valid logits; ``soft = [n, r, Σe_1, Σe·D_1, Σe_2, ...]`` for the rows ``pick``
+    (local indices, sorted) or every row when ``pick`` is ``None``. The exponentials, the
+    expensive part, run on the picked rows only (``rows=`` budget of :func:`forward_stats`).
 
     ``work`` is scratch space of at least ``2·R.numel()`` floats, reused across chunks.
     ``causal = (r0, upper)``: the chunk starts at query ``r0`` and is causal with no other mask;
@@ -70,19 +74,27 @@ def shifted_rows(R: Tensor, valid: Optional[Tensor], scales: Sequence[float],
     if masked:
         D0 = torch.nan_to_num(D, nan=math.nan, posinf=math.inf, neginf=0.0,
                               out=work[R.numel() : 2 * R.numel()].view(R.shape))
-    out = [n_row, rmax.squeeze(-1), D0.sum(-1), torch.linalg.vector_norm(D0, dim=-1).square(),
-           D0.amin(-1), bad]  # masked entries of D0 are 0 >= every valid D: amin is the valid min
+    r = rmax.squeeze(-1)
+    exact = [n_row, r, D0.sum(-1), torch.linalg.vector_norm(D0, dim=-1).square(),
+             D0.amin(-1), bad]  # masked entries of D0 are 0 >= every valid D: amin is the valid min
+    if pick is not None:
+        D, D0 = D.index_select(2, pick), D0.index_select(2, pick) if masked else None
+        D0 = D if D0 is None else D0
+        e = e.view(-1)[: D.numel()].view(D.shape)
+        n_row, r = n_row.index_select(2, pick), r.index_select(2, pick)
+    soft = [n_row, r]
     for sigma in scales:
         torch.mul(D, sigma * _LOG2E, out=e).exp2_()
-        out.append(e.sum(-1))
-        out.append(e.mul_(D0).sum(-1))
-    return out
+        soft.append(e.sum(-1))
+        soft.append(e.mul_(D0).sum(-1))
+    return exact, soft
 
 
-def shifted_reduce(rows: List[Tensor], scales: Sequence[float], saturation: float,
-                    acc: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
-    """Per-head (moments (5, H), softmax sums (len(scales), 4, H), nonfinite (H,)) from the
-    per-row sums of :func:`shifted_rows` (all rows of a call, concatenated).
+def shifted_reduce(exact: List[Tensor], soft_rows: List[Tensor], scales: Sequence[float], saturation: float,
+                   acc: torch.dtype, length: Optional[int] = None
+                   ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Per-head (moments (5, H), softmax sums (len(scales), 4, H), nonfinite (H,), variances)
+    from the per-row sums of :func:`shifted_rows` (every chunk's, concatenated along rows).
 
     Moments: a row has mean ``μ = r + ΣD/n`` and ``M2 = ΣD² − (ΣD)²/n``; rows combine exactly
     per head, in ``acc``: ``mean = Σ nμ / Σ n``, ``M2 = Σ M2_row + Σ n(μ − mean)²`` (Chan).
@@ -90,8 +102,14 @@ def shifted_reduce(rows: List[Tensor], scales: Sequence[float], saturation: floa
     because ``D`` is measured from the row max, not from zero.
     Softmax at ``σ``: ``H = log Σe − σ·Σ e·D / Σe``, ``max P = 1/Σe``; nonfinite probabilities:
     every valid entry of a row whose log-sum-exp ``σr + log Σe`` is NaN or ``+inf``.
+
+    Sampled rows (``length`` = L given, ``N`` soft rows): the softmax sums and the non-finite
+    probabilities are Horvitz-Thompson totals (weight ``L/N``); the row count, the moments, the
+    maximum and the non-finite logits stay exact. ``variances`` is then ``(len(scales), 3, H)``:
+    the estimated variance of each total (entropy, max_prob, saturated),
+    ``L²(1 − N/L)/N · S_y²`` with ``y`` the per-position sum over the batch; else ``None``.
     """
-    n, r, a, b, lo, bad = rows[:6]
+    n, r, a, b, lo, bad = exact
     dims = (0, 2)
     n64, r64, a64 = n.to(acc), r.to(acc), a.to(acc)
     seen = n > 0
@@ -104,27 +122,41 @@ def shifted_reduce(rows: List[Tensor], scales: Sequence[float], saturation: floa
     top = torch.where(seen, r, -math.inf).amax(dims).to(acc)
     low = torch.where(seen, r + lo, math.inf).amin(dims).to(acc)
     moments = torch.stack([count, mean, m2, top, low])
+    n_ok = (n >= 2).sum(dims, dtype=acc)  # exact, also when the softmax rows are sampled
 
-    ok = n >= 2
-    log_n = torch.log(n.clamp(min=2))
-    n_ok = ok.sum(dims, dtype=acc)
-    soft, nonfinite = [], None
+    n_s, r_s = soft_rows[:2]
+    sampled = soft_rows[0].shape[-1]
+    weight = 1.0 if length is None else length / max(1, sampled)
+    ok = n_s >= 2
+    log_n = torch.log(n_s.clamp(min=2))
+    soft, variances, nonfinite = [], [], None
     for i, sigma in enumerate(scales):
-        se, sed = rows[6 + 2 * i], rows[7 + 2 * i]
+        se, sed = soft_rows[2 + 2 * i], soft_rows[3 + 2 * i]
         lse = torch.log(se)
-        entropy = (lse - sigma * sed / se).clamp(min=0) / log_n
-        max_prob = 1.0 / se
-        soft.append(torch.stack([
-            n_ok,
-            torch.where(ok, entropy, 0.0).sum(dims, dtype=acc),
-            torch.where(ok, max_prob, 0.0).sum(dims, dtype=acc),
-            (ok & (max_prob >= saturation)).sum(dims, dtype=acc),
-        ]))
+        entropy = torch.where(ok, (lse - sigma * sed / se).clamp(min=0) / log_n, 0.0)
+        max_prob = torch.where(ok, 1.0 / se, 0.0)
+        saturated = (ok & (max_prob >= saturation)).to(entropy.dtype)
+        per_row = (entropy, max_prob, saturated)
+        soft.append(torch.stack([n_ok] + [v.sum(dims, dtype=acc) * weight for v in per_row]))
+        if length is not None:
+            variances.append(torch.stack([_total_variance(v, length) for v in per_row]).to(acc))
         if i == 0:
-            row_lse = lse + sigma * r
+            row_lse = lse + sigma * r_s
             bad_rows = torch.isnan(row_lse) | (row_lse == math.inf)
-            nonfinite = bad.sum(dims, dtype=acc) + torch.where(bad_rows, n, 0.0).sum(dims, dtype=acc)
-    return moments, torch.stack(soft), nonfinite  # type: ignore[arg-type]
+            nonfinite = bad.sum(dims, dtype=acc) + torch.where(bad_rows, n_s, 0.0).sum(dims, dtype=acc) * weight
+    var = torch.stack(variances) if variances else None
+    return moments, torch.stack(soft), nonfinite, var  # type: ignore[return-value]
+
+
+def _total_variance(per_row: Tensor, length: int) -> Tensor:
+    """Estimated variance of the Horvitz-Thompson total of ``per_row`` ``(B, H, N)`` over
+    ``N`` of ``length`` positions drawn without replacement: ``L²(1 − N/L)/N · S_y²``, ``S_y²``
+    the sample variance of the per-position batch sums (0 when ``N < 2``)."""
+    y = per_row.sum(0, dtype=torch.float64 if per_row.device.type != "mps" else torch.float32)  # (H, N)
+    sampled = y.shape[-1]
+    if sampled < 2:
+        return torch.zeros(y.shape[0], dtype=y.dtype, device=y.device)
+    return y.var(-1, unbiased=True) * (length * length * (1 - sampled / length) / sampled)
 
 
 # (B, H, rows, S) float32 buffers the backward's shifted path keeps alive: R, dP, e, a product,

@@ -71,10 +71,11 @@ def test_every_tag_holds_the_values_of_each_step(tmp_path):
     for metric in s.metrics("layers.0"):
         for scale in s.scales("layers.0", metric):
             hist = acc.Histograms(f"probe_hist/{metric}/{scale}")
-            assert [h.step for h in hist] == list(range(steps))
+            # pictures on their own cadence: the first flush, then the last state at close
+            assert [h.step for h in hist] == [0, steps - 1]
             images = acc.Images(f"probe_heatmap/{metric}/{scale}")
-            assert [i.step for i in images] == list(range(steps))
-            for i, ref in enumerate(refs):
+            assert [i.step for i in images] == [0, steps - 1]
+            for i, ref in zip((0, 1), (refs[0], refs[-1])):
                 values = np.concatenate([ref.value(site, metric, scale) for site in ref.sites])
                 finite = values[np.isfinite(values)]
                 hv = hist[i].histogram_value
@@ -218,3 +219,33 @@ def test_sites_appearing_later_and_extra_scales_reach_every_panel(tmp_path):
         assert np.abs(decoded.astype(int) - expected.astype(int)).max() <= 2
     tables = [t.tensor_proto.string_val[0].decode() for t in acc.Tensors("probe/sites/text_summary")]
     assert len(tables) == 2 and "| b |" not in tables[0] and "| b | sdpa |" in tables[1]
+
+
+def test_pictures_follow_their_own_cadence(tmp_path):
+    """Scalars at every flush; heatmaps and histograms at the first flush, then at the first flush
+    at least `image_every` steps after the last pictures, and the last state at close."""
+    from probe.sinks.tensorboard import TensorBoardSink
+
+    model, xs = model_and_inputs(7)
+    sink = TensorBoardSink(tmp_path, image_every=3)
+    with probe.watch(model, sinks=[sink], every=1):
+        for x in xs:
+            train_step(model, x)
+    acc = _events(tmp_path)
+    tag = next(t for t in acc.Tags()["scalars"] if t.startswith("probe/entropy/actual/"))
+    assert [e.step for e in acc.Scalars(tag)] == list(range(7))
+    assert [i.step for i in acc.Images("probe_heatmap/entropy/actual")] == [0, 3, 6]
+    assert [h.step for h in acc.Histograms("probe_hist/entropy/actual")] == [0, 3, 6]
+    with pytest.raises(probe.ProbeError, match="image_every"):
+        TensorBoardSink(tmp_path, image_every=0)
+
+
+def test_last_pictures_written_at_close(tmp_path):
+    from probe.sinks.tensorboard import TensorBoardSink
+
+    model, xs = model_and_inputs(5)
+    with probe.watch(model, sinks=[TensorBoardSink(tmp_path, image_every=3)], every=1):
+        for x in xs:
+            train_step(model, x)
+    acc = _events(tmp_path)
+    assert [i.step for i in acc.Images("probe_heatmap/max_prob/standard")] == [0, 3, 4]

@@ -117,12 +117,15 @@ def test_mean_over_many_seeds_matches_the_exact_value():
         assert (np.abs(mean - exact) <= 4 * se_mean + 1e-12).all(), (m, mean, exact, se_mean)
 
 
-def test_logit_max_is_a_lower_bound_and_rows_at_least_length_is_exact():
+@pytest.mark.parametrize("causal", [False, True])
+def test_logit_moments_and_counts_stay_exact_and_rows_at_least_length_is_exact(causal):
     q, k = _inputs(40, seed=4)
-    call = AttentionCall(q=q, k=k, v=None, scale=0.3, causal=True)
+    call = AttentionCall(q=q, k=k, v=None, scale=0.3, causal=causal)
     full = forward_stats(call, {"actual": 0.3})
     sampled = forward_stats(call, {"actual": 0.3}, rows=5, generator=torch.Generator().manual_seed(1))
-    assert (sampled["logit_max@actual"] <= full["logit_max@actual"]).all()
+    for field in ("logit@actual", "logit_max@actual", "rows", "nonfinite"):
+        torch.testing.assert_close(sampled[field], full[field], msg=field)
+    assert "entropy_var@actual" in sampled and "entropy_var@actual" not in full
     same = forward_stats(call, {"actual": 0.3}, rows=40)
     for field in full:
         torch.testing.assert_close(same[field], full[field])
@@ -146,11 +149,15 @@ def test_probe_rows_option_estimates_and_says_so_in_info():
             module()
     s = p.summary()
     site = s.sites[0]
-    assert "32 of 128" in s.info(site)["rows"] and "lower bound" in s.info(site)["rows"]
+    assert "32 of 128" in s.info(site)["rows"] and "standard error" in s.info(site)["rows"]
+    se_reported = s.value(site, "entropy_se")
+    assert np.isfinite(se_reported).all() and (se_reported > 0).all()
     ok, vals = _per_row(q, k, q.shape[-1] ** -0.5, True, tau=0.99)
     exact = (vals["entropy"].sum((0, 2)) / ok.sum((0, 2))).numpy()
     se = _standard_error(vals["entropy"].sum(0), ok.sum((0, 2)).double(), 32) / 2  # 4 draws
     assert (np.abs(s.value(site, "entropy") - exact) <= 4 * se).all()
+    # the reported standard error estimates the true one (4 calls of 32 rows each)
+    np.testing.assert_allclose(se_reported, se, rtol=0.5)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, "10", True])
