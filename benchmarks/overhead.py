@@ -56,6 +56,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import probe  # noqa: E402
 from workloads import WORKLOADS, build  # noqa: E402
 
+def build_bert(seq: int) -> torch.nn.Module:
+    """The unmasked BERT encoder of the ``bert`` workload (used by ``benchmarks/gpu.py``)."""
+    return build("bert", seq).model
+
+
 # -- the plain reference implementation ------------------------------------------------------
 class PlainStats:
     """Per-head statistics the obvious way, for comparison; results go to ``self.values``."""
