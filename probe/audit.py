@@ -1,0 +1,390 @@
+"""An independent check that capture misses no attention: :class:`Audit`.
+
+The capture front ends recognise attention by the shape of the code (``softmax(q @ kᵀ · s + b)``
+op by op, an SDPA call, ...). The audit does not: it follows every op of one forward and asks a
+simpler question, *which softmaxes consume scores derived from a product of two activations?*
+Each such softmax, and each SDPA / ``nn.MultiheadAttention`` call, is an attention *event*; the
+profiler tells the audit every call it reports, and an event no reported call accounts for is a
+miss, with the reason (the op after which the scores were no longer followed).
+
+Rules (a taint that follows the scores from the product to the softmax):
+
+* a *product of two activations* (``matmul``, ``@``, ``bmm``, ``baddbmm``, a two-operand
+  ``einsum``) starts a taint; a tensor is a *constant* when it is a parameter or buffer of the
+  model, or computed only from constants (position tables, masks, ``arange``); anything else,
+  model inputs included, is an activation;
+* every other op whose tensor inputs carry a taint passes it on (views, reshapes, masks, biases,
+  floors, clamps, ``torch.max``, indexing, in-place writes into another tensor...), except
+  contractions with constants that consume the key dim (``F.linear``, ``scores @ W``), which end
+  it; a linear mix over heads (talking heads: ``einsum("bhij,hg->bgij")``, a 1x1 convolution)
+  passes it on;
+* a tensor produced where the audit could not see (a TorchScript function, a C++ extension) has
+  no taint; with autograd on, a softmax input whose graph reaches a tainted tensor within a few
+  nodes is still an event ("went through code probe cannot see");
+* the module of an event is the innermost running module, skipping parameterless ``torch.nn``
+  leaves (``nn.Softmax``, ``nn.Dropout``): the module that ran the softmax.
+
+Cost: one Python dispatch per op; the profiler audits only the first sampled forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["Audit", "Event"]
+
+_TB = torch._C.TensorBase
+
+
+def _methods(*names: str) -> List[Any]:
+    return [getattr(cls, n) for n in names for cls in (_TB, Tensor) if hasattr(cls, n)]
+
+
+_PRODUCTS = frozenset([*_methods("matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm"),
+                       torch.matmul, torch.bmm, torch.baddbmm, torch.einsum])
+_SOFTMAX = frozenset([*_methods("softmax", "log_softmax"), torch.softmax, F.softmax, torch.log_softmax, F.log_softmax])
+_CUTS = frozenset([F.linear, F.bilinear, F.embedding])  # a convolution over heads (talking heads) keeps scores
+_ATTENTION = {F.scaled_dot_product_attention: "sdpa", F.multi_head_attention_forward: "mha"}
+#: parameterless torch.nn leaves that only wrap a function: an event inside belongs to the parent
+_WRAPPERS = (nn.Softmax, nn.LogSoftmax, nn.Dropout, nn.Identity)
+#: how far back the autograd graph is searched for scores that went through unseen code
+_GRAPH_DEPTH = 24
+#: autograd nodes of contractions with weights: the search stops there (what lies behind is
+#: not scores any more: a linear layer over the attention output, an embedding lookup)
+_GRAPH_CUTS = frozenset({"AddmmBackward0", "MmBackward0", "ConvolutionBackward0", "EmbeddingBackward0",
+                         "LinearBackward0", "AccumulateGrad"})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Taint:
+    ops: Tuple[str, ...]  # op names since the product (the product first)
+    lost_at: Optional[str] = None  # the first op after which capture had no record of the scores
+    shapes: str = ""  # the product's operand shapes
+
+
+@dataclasses.dataclass
+class Event:
+    """One attention the audit saw: a softmax over product-derived scores, or an attention op."""
+
+    module: str
+    kind: str  # "softmax", "sdpa", "mha"
+    ops: Tuple[str, ...] = ()
+    lost_at: Optional[str] = None
+    shapes: str = ""
+    unseen: bool = False  # the scores reached the softmax through code the audit could not see
+    reported: Optional[str] = None  # the site probe reported it under
+    front_end: Optional[str] = None
+
+    @property
+    def why(self) -> str:
+        """Why capture did not report this event (only meaningful when ``reported`` is None)."""
+        if self.unseen:
+            return ("the scores reached the softmax through code probe cannot see (a TorchScript function or "
+                    "a C++ extension)")
+        if self.kind != "softmax":
+            return f"the {self.kind} call was not understood"
+        chain = " -> ".join(self.ops)
+        if self.lost_at is None:
+            return f"not recognised ({chain} -> softmax)"
+        if self.lost_at == self.ops[0]:
+            return f"`{self.ops[0]}` of {self.shapes} was not taken as q·kᵀ ({chain} -> softmax)"
+        return f"the scores were lost at `{self.lost_at}` ({chain} -> softmax)"
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__name__", None) or repr(func)
+
+
+def _tensors(x: Any) -> Iterator[Tensor]:
+    if isinstance(x, Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for item in x:
+            yield from _tensors(item)
+    elif isinstance(x, dict):
+        for item in x.values():
+            yield from _tensors(item)
+
+
+class Audit(TorchFunctionMode):
+    """Finds every attention of one forward, independently of the capture front ends.
+
+    Args:
+        model: the watched model (its parameters and buffers are constants; its modules name events).
+        followed: ``followed(tensor)`` says whether capture still holds a score record for a
+            tensor (the eager front end's provenance table); used only to say *where* scores were lost.
+
+    Use: enter it above the capture mode (it must see the model's ops first), call
+    :meth:`reported` for every call the profiler reports, and read :meth:`misses` after the
+    forward (and after the capture mode has emitted what it still held).
+    """
+
+    def __init__(self, model: nn.Module, followed: Optional[Callable[[Tensor], bool]] = None) -> None:
+        super().__init__()
+        from probe.capture.mode import site_names
+
+        self._names = site_names(model)
+        self._wrappers = {id(m) for m in model.modules() if isinstance(m, _WRAPPERS)}
+        self._consts: Set[int] = {id(t) for t in (*model.parameters(), *model.buffers())}
+        self._const_refs: Dict[int, weakref.ref] = {}
+        self._taints: Dict[int, Tuple[weakref.ref, _Taint]] = {}
+        self._graph: Dict[Any, None] = {}  # grad_fn of tainted tensors (autograd on)
+        self._followed = followed
+        self._stack: List[str] = ["root"]
+        self._handles: List[RemovableHandle] = []
+        self.events: List[Event] = []
+        self._by_probs: Dict[int, Tuple[weakref.ref, Event]] = {}
+        self._current: Optional[Event] = None
+        self._capture: Any = None  # the capture mode below this audit, if any
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def __enter__(self) -> "Audit":
+        from probe.capture.mode import CaptureMode
+        from torch.overrides import _get_current_function_mode_stack
+
+        self._capture = next((m for m in reversed(_get_current_function_mode_stack()) if isinstance(m, CaptureMode)), None)
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._push),
+            nn.modules.module.register_module_forward_hook(self._pop, always_call=True),
+        ]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+            self._taints.clear()
+            self._graph.clear()
+
+    def _quiet(self) -> bool:
+        """Whether capture is measuring (a paused or suspended capture mode): its ops are not the model's."""
+        capture = self._capture
+        if capture is None:
+            return False
+        if getattr(capture, "_paused", False):
+            return True
+        from probe.capture.mode import is_mode_active
+
+        return not is_mode_active(capture)
+
+    def _push(self, module: nn.Module, args: Any) -> None:
+        name = self._names.get(id(module))
+        if name is not None and id(module) not in self._wrappers and name != "root":
+            self._stack.append(name)
+
+    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+        name = self._names.get(id(module))
+        if name is not None and id(module) not in self._wrappers and len(self._stack) > 1 and self._stack[-1] == name:
+            self._stack.pop()
+
+    # -- the profiler's side -------------------------------------------------------------------------
+    def reported(self, call: Any, site: str) -> None:
+        """A call probe reported, under ``site``: it accounts for the event it came from."""
+        event = None
+        probs = getattr(call, "probs", None)
+        if isinstance(probs, Tensor):
+            entry = self._by_probs.get(id(probs))
+            if entry is not None and entry[0]() is probs:
+                event = entry[1]
+        if event is None and self._current is not None and self._current.reported is None:
+            event = self._current  # emitted while the audit's own softmax / attention op ran
+        if event is None:
+            self.events.append(Event(module=site.split("#")[0], kind=getattr(call, "kind", "?"),
+                                     reported=site, front_end=getattr(call, "kind", None)))
+            return
+        if event.reported is None:
+            event.reported, event.front_end = site, getattr(call, "kind", None)
+
+    def misses(self) -> List[Event]:
+        """Attention events that no reported call accounts for, or reported under another module."""
+        return [e for e in self.events if e.reported is None or e.reported.split("#")[0] != e.module]
+
+    # -- the taint ---------------------------------------------------------------------------------
+    def _is_const(self, t: Tensor) -> bool:
+        key = id(t)
+        if key in self._consts:
+            return True
+        ref = self._const_refs.get(key)
+        if ref is not None and ref() is t:
+            return True
+        base = t._base
+        return base is not None and self._is_const(base)
+
+    def _mark_const(self, t: Tensor) -> None:
+        key = id(t)
+        table = self._const_refs
+
+        def drop(ref: weakref.ref, key: int = key) -> None:
+            if table.get(key) is ref:
+                del table[key]
+
+        table[key] = weakref.ref(t, drop)
+
+    def _taint(self, t: Any) -> Optional[_Taint]:
+        if not isinstance(t, Tensor):
+            return None
+        entry = self._taints.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def _set(self, t: Tensor, taint: _Taint) -> None:
+        if not t.is_floating_point():
+            return
+        if taint.lost_at is None and self._followed is not None and not self._followed(t):
+            taint = dataclasses.replace(taint, lost_at=taint.ops[-1])
+        key = id(t)
+        table = self._taints
+
+        def drop(ref: weakref.ref, key: int = key) -> None:
+            entry = table.get(key)
+            if entry is not None and entry[0] is ref:
+                del table[key]
+
+        table[key] = (weakref.ref(t, drop), taint)
+        if t.grad_fn is not None:
+            self._graph[t.grad_fn] = None
+
+    def _module(self) -> str:
+        return self._stack[-1]
+
+    # -- dispatch ----------------------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling() or self._quiet():
+            return func(*args, **kwargs)
+        kind = _ATTENTION.get(func)
+        if kind is not None:
+            return self._attention_op(func, kind, args, kwargs)
+        if func in _SOFTMAX:
+            return self._softmax(func, args, kwargs)
+        out = func(*args, **kwargs)
+        try:
+            self._follow(func, args, kwargs, out)
+        except Exception:  # noqa: BLE001 - the audit never breaks the model
+            pass
+        return out
+
+    def _attention_op(self, func: Any, kind: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        event = Event(module=self._module(), kind=kind)
+        self.events.append(event)
+        outer, self._current = self._current, event
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self._current = outer
+
+    def _softmax(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        x = args[0] if args else kwargs.get("input")
+        taint = self._taint(x)
+        event = None
+        if taint is not None:
+            event = Event(module=self._module(), kind="softmax", ops=taint.ops, lost_at=taint.lost_at,
+                          shapes=taint.shapes)
+        elif isinstance(x, Tensor) and x.dim() >= 2 and self._reaches_scores(x):
+            event = Event(module=self._module(), kind="softmax", unseen=True)
+        if event is None:
+            return func(*args, **kwargs)
+        self.events.append(event)
+        outer, self._current = self._current, event
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self._current = outer
+        if isinstance(out, Tensor):
+            self._by_probs[id(out)] = (weakref.ref(out), event)
+        return out
+
+    def _reaches_scores(self, x: Tensor) -> bool:
+        """Whether ``x``'s autograd graph reaches a tainted tensor within a few nodes."""
+        if x.grad_fn is None or not self._graph or self._taint(x) is not None:
+            return False
+        frontier, seen = [x.grad_fn], set()
+        for _ in range(_GRAPH_DEPTH):
+            nxt = []
+            for node in frontier:
+                if node in self._graph:
+                    return True
+                if type(node).__name__ in _GRAPH_CUTS:
+                    continue
+                for parent, _ in getattr(node, "next_functions", ()):
+                    if parent is not None and parent not in seen:
+                        seen.add(parent)
+                        nxt.append(parent)
+            if not nxt:
+                return False
+            frontier = nxt
+        return False
+
+    def _follow(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
+        inputs = list(_tensors(args)) + list(_tensors(kwargs))
+        outs = list(_tensors(out))
+        if inputs and all(self._is_const(t) for t in inputs):
+            for t in outs:
+                self._mark_const(t)
+            return
+        if not inputs and outs:  # a factory (arange, ones, full): a constant
+            for t in outs:
+                self._mark_const(t)
+            return
+        name = _name(func)
+        if func in _PRODUCTS:
+            operands = self._operands(func, args, kwargs)
+            if operands is not None and not any(self._is_const(t) for t in operands):
+                shapes = " × ".join(str(tuple(t.shape)) for t in operands)
+                for t in outs:
+                    self._set(t, _Taint(ops=(name,), shapes=shapes))
+                return
+            if operands is not None and not self._keeps_scores(func, args, operands):
+                return  # scores @ W: a contraction of the key dim, not scores any more
+        if func in _CUTS:
+            return
+        taint = next((tt for tt in map(self._taint, inputs) if tt is not None), None)
+        if taint is None:
+            return
+        taint = dataclasses.replace(taint, ops=taint.ops + (name,))
+        targets = outs
+        if out is None or name.endswith("_") or name == "__setitem__":
+            first = args[0] if args else None
+            targets = outs + ([first] if isinstance(first, Tensor) else [])
+        for t in targets:
+            self._set(t, taint)
+
+    @staticmethod
+    def _operands(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[List[Tensor]]:
+        """The two multiplied tensors of a product op, or None."""
+        if func is torch.einsum:
+            ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+            return ops if len(ops) == 2 and all(isinstance(t, Tensor) for t in ops) else None
+        if func in (torch.baddbmm, *_methods("baddbmm")):
+            b1 = args[1] if len(args) > 1 else kwargs.get("batch1")
+            b2 = args[2] if len(args) > 2 else kwargs.get("batch2")
+            pair = [b1, b2]
+        else:
+            a = args[0] if args else kwargs.get("input")
+            b = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
+            pair = [b, a] if _name(func) == "__rmatmul__" else [a, b]
+        if not all(isinstance(t, Tensor) and t.dim() >= 2 for t in pair):
+            return None
+        return pair
+
+    def _keeps_scores(self, func: Any, args: Tuple[Any, ...], operands: List[Tensor]) -> bool:
+        """A product of scores with a constant keeps them scores only as an einsum that keeps
+        the scores' last two indices (a linear mix over heads)."""
+        if func is not torch.einsum or not isinstance(args[0], str) or "->" not in args[0]:
+            return False
+        ins, res = args[0].replace(" ", "").split("->")
+        specs = ins.split(",")
+        for spec, t in zip(specs, operands):
+            if self._taint(t) is not None and len(spec) >= 2 and "." not in spec:
+                return spec[-2] in res and spec[-1] in res
+        return False
