@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     from probe.comparison import add_commands as add_compare_commands
 
     add_compare_commands(sub)  # probe compare
+    from probe.coverage import add_commands as add_coverage_commands
+
+    add_coverage_commands(sub)  # probe coverage
     return parser
 
 
