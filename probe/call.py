@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import FrozenSet, Literal, Optional, Union
+from typing import Callable, FrozenSet, Literal, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -31,7 +31,8 @@ class AttentionCall:
 
     The logits the model turns into probabilities are ``Z = scale * q @ k.T + bias`` with
     invalid entries removed (``mask`` False, ``causal`` above the top-left diagonal, ``bias``
-    at ``-inf`` or at most half the dtype's most negative finite value). With ``softcap = c``
+    at or below ``-100``: its weight ``e^-100`` vanishes, so ``-inf``, Hugging Face's
+    ``finfo.min`` and Swin's ``-100`` all mask; ``probe.stats.chunks.MASK_BIAS``). With ``softcap = c``
     they are ``c * tanh(scale * q @ k.T / c) + bias`` (Gemma 2).
 
     Attributes:
@@ -51,6 +52,11 @@ class AttentionCall:
             layout with ``B·H·L·S`` elements), for the backward hook: its gradient is
             ``dP = ∂L/∂P``, dropout between the softmax and ``P @ v`` included; preferred over
             ``output`` for ``grad_logits`` when both are set. ``None`` otherwise.
+        grad_of: for ``"q"``, ``"k"``, ``"v"``, ``"output"`` whose record is not the model's own
+            tensor (q with a scalar factor taken out, k behind a ``repeat_kv`` copy, a 5-D q
+            flattened to 4-D, an einsum operand permuted): ``(tensor, fn)``, the model's own
+            tensor to hook and how its gradient becomes the record's (``fn(grad)``).
+        scale_from: where the scale came from, in words (``info["scale_from"]``).
     """
 
     q: Tensor
@@ -66,6 +72,8 @@ class AttentionCall:
     kind: Kind = "sdpa"
     logits: Optional[Tensor] = None
     probs: Optional[Tensor] = None
+    grad_of: Optional[Mapping[str, Tuple[Tensor, Callable[[Tensor], Tensor]]]] = None
+    scale_from: Optional[str] = None
 
     @property
     def heads(self) -> int:

@@ -46,6 +46,8 @@ class SiteInfo:
         softcap: the logit soft cap, when the site has one.
         rows: a note when query rows were sampled (``rows=``).
         grad_kv_heads: values of ``grad_k``/``grad_v`` (kv heads), once a backward was seen.
+        scale_from: where the scale came from (a call's ``scale=``, SDPA's default, a factor on q
+            or k before the product: see ``AttentionCall.scale_from``).
     """
 
     kind: str
@@ -57,12 +59,13 @@ class SiteInfo:
     softcap: Optional[float] = None
     rows: Optional[str] = None
     grad_kv_heads: Optional[int] = None
+    scale_from: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON form (optional fields only when set)."""
         out: Dict[str, Any] = {"kind": self.kind, "heads": self.heads, "kv_heads": self.kv_heads,
                                "d_k": self.d_k, "scale": self.scale, "calls": self.calls}
-        for name in ("softcap", "rows", "grad_kv_heads"):
+        for name in ("softcap", "rows", "grad_kv_heads", "scale_from"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -177,6 +180,7 @@ class Recorder:
         self.grad_hooks = GradHooks(self._add_grads, warn)
         self._warn_unknown_scale = WarnOnce()
         self._warn_scale = warn
+        self.observer: Optional[Callable[[AttentionCall, str], None]] = None  # probe.coverage's audit
 
     def scales_for(self, call: AttentionCall) -> Dict[str, Scale]:
         scales: Dict[str, Scale] = {"actual": call.scale, "unscaled": 1.0, "standard": call.standard_scale}
@@ -194,15 +198,23 @@ class Recorder:
         name, index = key
         return f"{name}#{index + 1}" if name in self.multi else name
 
-    def emit(self, call: AttentionCall) -> None:
-        """Record one call of the current step (the capture mode's ``emit``)."""
+    def reserve(self) -> SiteKey:
+        """The site of a call issued now but emitted later (an eager softmax waiting for its
+        ``P @ v``): the module running now, which ran the softmax (the capture mode's ``reserve``)."""
+        return self.stack.next_site()
+
+    def emit(self, call: AttentionCall, key: Optional[SiteKey] = None) -> None:
+        """Record one call of the current step (the capture mode's ``emit``), issued by the
+        module running now or, with ``key``, by the site :meth:`reserve` returned."""
         self.emitted += 1
-        name, index = self.stack.next_site()
+        name, index = self.stack.next_site() if key is None else key
         if not self.window or self.window[-1] != self.step:
             self.window.append(self.step)
         if index > 0:
             self.multi.add(name)
         call = dataclasses.replace(call, site=self.site_name((name, index)))
+        if self.observer is not None:
+            self.observer(call, call.site)  # the audit of the first sampled forward (probe.coverage)
         if self.site_ok is not None and not (self.site_ok(call.site) or self.site_ok(name)):
             self.filtered_out.add(call.site)
             return
@@ -234,7 +246,8 @@ class Recorder:
     def _update_info(self, key: SiteKey, call: AttentionCall) -> None:
         info = self.infos.get(key)
         if info is None:
-            info = self.infos[key] = SiteInfo(call.kind, call.heads, call.kv_heads, call.d_k, softcap=call.softcap)
+            info = self.infos[key] = SiteInfo(call.kind, call.heads, call.kv_heads, call.d_k, softcap=call.softcap,
+                                              scale_from=call.scale_from)
         if self.rows is not None and call.q.shape[2] > self.rows:
             info.rows = (f"{self.rows} of {call.q.shape[2]} query rows sampled for entropy, max_prob, "
                          "saturation: estimates, standard errors in *_se; logit_var, logit_max exact")

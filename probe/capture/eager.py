@@ -40,25 +40,24 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from probe import overrides
 from probe.capture.frontend import Emit, FrontEnd
+from probe.capture.eager_products import Products
+from probe.capture.mode import reserve_site
 from probe.once import WarnOnce
 from probe.capture.eager_scores import (
     MASK_FILL,
     Meta,
     Pending,
     Scores,
-    factor,
     handler_names,
-    heads_of,
+    prescale_factor,
     number,
-    permuted,
     repeat_kv,
     rescaled,
     reshaped,
-    scaled,
     to_call,
 )
 
@@ -70,7 +69,18 @@ _TB = torch._C.TensorBase  # tensor methods are intercepted as TensorBase method
 _HANDLERS = handler_names()
 
 
-class EagerFrontEnd(FrontEnd):
+_CLAMPS = frozenset(f for f in (torch.clamp, torch.clamp_min, getattr(_TB, "clamp", None), getattr(_TB, "clamp_",
+                                                                                             None),
+                                 getattr(_TB, "clamp_min", None)) if f is not None)
+
+
+def _layout(node: Scores, scores: Any) -> Any:
+    """How a bias or mask applied now lifts to (B, H, L, S): the layout's dims (3 or 4), or the
+    scores' shape when they have extra leading dims."""
+    return tuple(scores.shape) if node.ndim > 4 and isinstance(scores, Tensor) else node.ndim
+
+
+class EagerFrontEnd(Products, FrontEnd):
     """Recovers q, k, scale, bias, mask and softcap from the ops leading into a softmax."""
 
     funcs: Tuple[Callable[..., Any], ...] = tuple(_HANDLERS)
@@ -156,145 +166,20 @@ class EagerFrontEnd(FrontEnd):
                 return node, i
         return None, -1
 
-    # -- products ----------------------------------------------------------------------------------
-    def _start(self, a: Any, b: Any, out: Any, scale: float = 1.0, k: Optional[Tensor] = None) -> Optional[Scores]:
-        """A score record for ``out = a @ b`` when both are batched activations (``k``: the
-        model's own ``b.transpose(-1, -2)`` when the caller knows it)."""
-        if not (isinstance(a, Tensor) and isinstance(b, Tensor) and isinstance(out, Tensor)):
-            return None
-        if a.dim() != b.dim() or a.dim() not in (3, 4) or isinstance(a, nn.Parameter) or isinstance(b, nn.Parameter):
-            return None
-        ma, mb = self._get(a), self._get(b)
-        if isinstance(ma, Meta) and ma.base is not None:
-            a, scale = ma.base, scale * ma.factor
-        if isinstance(mb, Meta) and mb.base is not None:
-            b, scale = mb.base, scale * mb.factor
-        q = a
-        # k is the model's own tensor when kᵀ was made by a transpose we saw (grad hooks need it)
-        if k is None:
-            k = mb.src if isinstance(mb, Meta) and mb.src is not None else b.transpose(-1, -2)
-        merged = None
-        if a.dim() == 3:
-            merged = ma.merged if isinstance(ma, Meta) else None
-            if merged is not None and q.shape[0] == k.shape[0] == merged[0] * merged[1]:
-                # the model's own 4-D q and k where seen (their gradients reach the grad hooks)
-                q = self._whole(q, merged)
-                k = self._whole(k, merged)
-            else:
-                merged = None
-                q, k = q.unsqueeze(1), k.unsqueeze(1)
-        k = self._unrepeated(k)
-        if k.shape[0] not in (1, q.shape[0]) or q.shape[1] % k.shape[1]:
-            return None
-        return Scores(q=q, k=k, ndim=out.dim(), merged=merged, scale=scale)
-
-    def _unrepeated(self, t: Tensor) -> Tensor:
-        """The kv-head tensor behind a ``repeat_kv`` copy (grouped-query attention), else ``t``."""
-        meta = self._get(t)
-        return meta.kv if isinstance(meta, Meta) and meta.kv is not None else t
-
-    def _whole(self, t: Tensor, merged: Tuple[int, int]) -> Tensor:
-        meta = self._get(t)
-        if isinstance(meta, Meta) and meta.whole is not None and meta.base is None:
-            return meta.whole
-        return t.reshape(merged[0], merged[1], *t.shape[1:])
-
-    def _on_matmul(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
-        a = args[0] if args else kwargs.get("input")
-        b = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
-        probs = self._get(a)
-        if isinstance(probs, Pending):  # P @ v: the call is complete
-            if not (isinstance(a, Tensor) and isinstance(b, Tensor) and isinstance(out, Tensor)):
-                return
-            if a.dim() == b.dim() == out.dim() in (3, 4):
-                probs.fire(self._unrepeated(heads_of(b, probs.merged)), heads_of(out, probs.merged))
-            return
-        self._set(out, self._start(a, b, out))
-
-    def _on_baddbmm(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
-        if len(args) < 3:
-            return
-        bias, beta, alpha = args[0], kwargs.get("beta", 1), kwargs.get("alpha", 1)
-        if not (number(beta) and number(alpha)):
-            return
-        node = self._start(args[1], args[2], out, float(alpha))
-        if node is not None and beta != 0 and isinstance(bias, Tensor):
-            node = dataclasses.replace(node, biases=((bias, float(beta), 3),))
-        self._set(out, node)
-
-    def _on_einsum(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
-        if not args or not isinstance(args[0], str):
-            return
-        ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
-        eq = args[0].replace(" ", "")
-        if len(ops) != 2 or "->" not in eq or "." in eq:
-            return
-        ins, res = eq.split("->")
-        sa, sb = ins.split(",") if ins.count(",") == 1 else ("", "")
-        if len(sa) != len(sb) or len(sa) not in (3, 4) or len(res) != len(sa):
-            return
-        batch, qi, ki = res[:-2], res[-2], res[-1]
-        d = set(sa) & set(sb) - set(res)
-        if len(d) != 1 or qi not in sa or qi in sb or ki not in sb or ki in sa or any(c not in sa + sb for c in batch):
-            return
-        if not all(c in sa and c in sb for c in batch):
-            return
-        di = next(iter(d))
-        probs = self._get(ops[0])
-        if isinstance(probs, Pending):  # einsum("bhqk,bhkd->bhqd", P, v), any letters
-            # here di is the key letter (contracted) and ki the value feature letter
-            v = permuted(ops[1], [sb.index(c) for c in batch + di + ki])
-            if isinstance(out, Tensor) and v.dim() == out.dim():
-                probs.fire(heads_of(v, probs.merged), heads_of(out, probs.merged))
-            return
-        a = permuted(ops[0], [sa.index(c) for c in batch + qi + di])
-        k = permuted(ops[1], [sb.index(c) for c in batch + ki + di])
-        self._set(out, self._start(a, k.transpose(-1, -2), out, k=k))
-
-    # -- scale -------------------------------------------------------------------------------------
-    def _on_mul(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
-        if len(args) < 2:
-            return
-        node, i = self._scores(args[0], args[1])
-        if node is None:
-            self._prescale(args[0], args[1], out)
-            return
-        f = factor(args[1 - i], node)
-        self._set(out, dataclasses.replace(node, unknown=True) if f is None else scaled(node, f))
-
-    def _prescale(self, a: Any, b: Any, out: Any) -> None:
-        # q * s before the product (timm): remember s on the result.
-        x, s = (a, b) if isinstance(a, Tensor) else (b, a)
-        if isinstance(x, Tensor) and number(s) and x.dim() in (3, 4) and isinstance(out, Tensor):
-            meta = self._get(x)
-            base, factor = (meta.base, meta.factor) if isinstance(meta, Meta) and meta.base is not None else (x, 1.0)
-            merged = meta.merged if isinstance(meta, Meta) else None
-            self._set(out, Meta(base=base, factor=factor * float(s), merged=merged))
-
-    def _on_div(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
-        node = self._get(args[0]) if args else None
-        if not isinstance(node, Scores) or len(args) < 2:
-            return
-        f = None if kwargs.get("rounding_mode") is not None or node.tanh else factor(args[1], node)
-        if isinstance(f, float):
-            f = 1.0 / f if f != 0 else None
-        elif f is not None:
-            f = f.reciprocal()
-        self._set(out, dataclasses.replace(node, unknown=True) if f is None else scaled(node, f))
-
     # -- bias and masks ----------------------------------------------------------------------------
     def _add_bias(self, out: Any, node: Scores, other: Any, coeff: Any) -> None:
         describable = isinstance(other, Tensor) and other.dtype != torch.bool and number(coeff)
         if node.unknown or node.tanh or not describable:
             self._set(out, dataclasses.replace(node, unknown=True))
             return
-        self._set(out, dataclasses.replace(node, biases=node.biases + ((other, float(coeff), node.ndim),)))
+        self._set(out, dataclasses.replace(node, biases=node.biases + ((other, float(coeff), _layout(node, out)),)))
 
     def _on_add(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
         if len(args) < 2:
             return
         node, i = self._scores(args[0], args[1])
         if node is None:
+            self._keep_probs(args, out)
             return
         alpha = kwargs.get("alpha", 1)
         if i == 1 and alpha != 1:  # a + alpha * scores
@@ -317,7 +202,7 @@ class EagerFrontEnd(FrontEnd):
         if not ok:
             self._set(out, dataclasses.replace(node, unknown=True))
             return
-        self._set(out, dataclasses.replace(node, masks=node.masks + ((mask, invert, node.ndim, fill_t),)))
+        self._set(out, dataclasses.replace(node, masks=node.masks + ((mask, invert, _layout(node, out), fill_t),)))
 
     def _on_masked_fill(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
         node = self._get(args[0]) if args else None
@@ -338,6 +223,24 @@ class EagerFrontEnd(FrontEnd):
         if isinstance(node, Scores):
             plain = not (node.unknown or node.tanh or node.biases or node.masks or node.softcap is not None)
             self._set(out, dataclasses.replace(node, tanh=True) if plain else dataclasses.replace(node, unknown=True))
+
+    def _on_floor(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
+        """``torch.max(scores, finfo.min)``, ``clamp(min=...)`` (XGLM, OPT): a floor at or below
+        the mask fill only touches masked entries, so the record holds; any other floor or cap
+        makes the scale unknown."""
+        node, i = self._scores(*args[:2])
+        if node is None:
+            return
+        if func in _CLAMPS:
+            floor, cap = (args[1:] + (None, None))[:2] if len(args) > 1 else (None, None)
+            floor, cap = kwargs.get("min", floor), kwargs.get("max", cap)
+        else:
+            floor, cap = (args[1 - i] if len(args) == 2 and isinstance(args[1 - i], Tensor) else "no"), None
+            if isinstance(floor, str):
+                return  # torch.max(scores, dim): a reduction, not a floor
+        value, _ = prescale_factor(floor, False) if floor is not None else (MASK_FILL, None)
+        keeps = cap is None and value is not None and value <= MASK_FILL
+        self._set(out, node if keeps else dataclasses.replace(node, unknown=True))
 
     def _on_other(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
         node = self._get(args[0]) if args else None
@@ -429,6 +332,7 @@ class EagerFrontEnd(FrontEnd):
             emit(call)  # unknown scale: no counterfactual gradients either, so no need for v
             return
         call = dataclasses.replace(call, probs=out)  # its gradient is dP itself: exact under dropout too
-        pending = Pending(call, node.merged, emit)
+        # named after the module running now, which ran the softmax, whenever P·v comes
+        pending = Pending(call, node.merged, emit, reserve_site())
         self._pending.append(pending)
         self._set(out, pending)

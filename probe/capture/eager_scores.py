@@ -19,7 +19,7 @@ from torch import Tensor
 from probe.call import AttentionCall
 
 __all__ = ["MASK_FILL", "Meta", "Pending", "Scores", "factor", "handler_names", "heads_of", "lift", "number", "permuted",
-           "repeat_kv", "rescaled", "reshaped", "scaled", "to_call"]
+           "repeat_kv", "rescaled", "reshaped", "scaled", "to_call", "grad_map"]
 
 #: A fill value at or below this masks an entry (``exp`` of it underflows to 0 in float32).
 #: A fill value at or below this masks an entry (``exp`` of it underflows to 0 in float32).
@@ -42,6 +42,8 @@ class Scores:
     softcap: Optional[float] = None
     tanh: bool = False  # tanh applied, waiting for its ``* c``
     unknown: bool = False  # an op the record cannot describe touched the scores
+    grad_of: Tuple[Tuple[str, Tensor, Callable[[Tensor], Tensor]], ...] = ()  # see AttentionCall.grad_of
+    scale_from: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,21 +56,52 @@ class Meta:
     src: Optional[Tensor] = None  # this tensor is ``src.transpose(-1, -2)`` (the model's own k)
     whole: Optional[Tensor] = None  # the (B, H, n, d) tensor this (B*H, n, d) one was reshaped from
     kv: Optional[Tensor] = None  # the (B, Hk, n, d) tensor this one repeats per group (repeat_kv)
+    factor_t: Optional[Tensor] = None  # a one-element tensor factor (kept on its device: no sync)
+    how: str = ""  # how the factor was applied, in words (info["scale_from"])
 
 
 @dataclasses.dataclass
 class Pending:
-    """A softmax over scores, waiting for its product with v (then the call gets v and output)."""
+    """A softmax over scores, waiting for its product with v (then the call gets v and output).
+    ``key``: the site reserved when the softmax ran (the call is named after that module)."""
 
     call: AttentionCall
     merged: Optional[Tuple[int, int]]
-    emit: Callable[[AttentionCall], None]
+    emit: Callable[..., None]
+    key: Any = None
     done: bool = False
 
-    def fire(self, v: Optional[Tensor] = None, output: Optional[Tensor] = None) -> None:
+    def fire(self, v: Optional[Tensor] = None, output: Optional[Tensor] = None,
+             v_grad: Optional[Tuple[Tensor, Callable[[Tensor], Tensor]]] = None) -> None:
         if not self.done:
             self.done = True
-            self.emit(dataclasses.replace(self.call, v=v, output=output))
+            grad_of = self.call.grad_of if v_grad is None else {**(self.call.grad_of or {}), "v": v_grad}
+            call = dataclasses.replace(self.call, v=v, output=output, grad_of=grad_of)
+            if self.key is None:
+                self.emit(call)
+            else:
+                self.emit(call, self.key)
+
+
+def grad_map(own: Tensor, record: Tensor, factor: Any = 1.0,
+             pre: Optional[Callable[[Tensor], Tensor]] = None) -> Optional[Tuple[Tensor, Callable[[Tensor], Tensor]]]:
+    """How to get the gradient of a record tensor (``(B, H, n, d)``, made from the model's own
+    ``own`` by a transpose / permutation ``pre``, a reshape, dropping repeated kv heads, and a
+    factor taken out) from the gradient of ``own``; ``None`` when ``record`` is ``own`` itself."""
+    if record is own and pre is None and not isinstance(factor, Tensor) and factor == 1.0:
+        return None
+    shape = tuple(record.shape)
+
+    def fn(g: Tensor) -> Tensor:
+        if pre is not None:
+            g = pre(g)
+        if g.numel() != record.numel() and len(shape) == 4 and g.numel() % record.numel() == 0:
+            # repeat_kv: (B, Hk·n, S, d) holds n copies of each kv head; their gradients add up
+            g = g.reshape(shape[0], shape[1], -1, *shape[2:]).sum(2)
+        g = g.reshape(shape)
+        return g if not isinstance(factor, Tensor) and factor == 1.0 else g * factor
+
+    return own, fn
 
 
 def handler_names() -> Dict[Callable[..., Any], str]:
@@ -88,7 +121,8 @@ def handler_names() -> Dict[Callable[..., Any], str]:
         ("tanh", (torch.tanh,), "_on_tanh"),
         ("float to type type_as contiguous half bfloat16 double", (F.dropout, torch.dropout), "_on_cast"),
         ("view reshape transpose", (torch.reshape, torch.transpose), "_on_view"),
-        ("clamp clamp_ __rsub__ __rdiv__", (torch.clamp,), "_on_other"),
+        ("clamp clamp_ clamp_min maximum", (torch.clamp, torch.clamp_min, torch.max, torch.maximum), "_on_floor"),
+        ("__rsub__ __rdiv__", (), "_on_other"),
         ("softmax", (torch.softmax, F.softmax), "_on_softmax"),
     ):
         methods = [getattr(cls, n) for n in names.split() for cls in (torch._C.TensorBase, Tensor) if hasattr(cls, n)]
@@ -113,6 +147,66 @@ def repeat_kv(x: Tensor, out: Tensor) -> Optional[Meta]:
             and base.unsqueeze(2).expand(x.shape).stride() == x.stride()):
         return Meta(kv=base)
     return Meta(kv=x.select(2, 0))
+
+
+def einsum_pair(args: Tuple[Any, ...]) -> Optional[Tuple[Tuple[Any, Any], Tuple[str, str, str]]]:
+    """((x, y), (x letters, y letters, output letters)) of a two-operand einsum without ``...``."""
+    if not args or not isinstance(args[0], str):
+        return None
+    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+    eq = args[0].replace(" ", "")
+    if len(ops) != 2 or "->" not in eq or "." in eq or eq.count(",") != 1:
+        return None
+    ins, res = eq.split("->")
+    sx, sy = ins.split(",")
+    return (ops[0], ops[1]), (sx, sy, res)
+
+
+def qk_roles(sa: str, sb: str, res: str) -> Optional[Tuple[str, str]]:
+    """For ``einsum(sa, sb -> res)`` as q·kᵀ: the letter orders (batch + query + d, batch + key +
+    d) to permute q and k into; ``None`` when it is not a q·kᵀ product."""
+    if len(sa) != len(sb) or len(sa) < 3 or len(res) != len(sa):
+        return None
+    batch, qi, ki = res[:-2], res[-2], res[-1]
+    d = set(sa) & set(sb) - set(res)
+    if len(d) != 1 or qi not in sa or qi in sb or ki not in sb or ki in sa:
+        return None
+    if not all(c in sa and c in sb for c in batch):
+        return None
+    di = next(iter(d))
+    return batch + qi + di, batch + ki + di
+
+
+def pv_roles(sp: str, sv: str, res: str) -> Optional[Tuple[str, str, str]]:
+    """For ``einsum`` of probabilities ``sp`` (``..., query, key``) with v ``sv``: (batch + key,
+    batch + query + feature, feature) letter orders for v and the output; ``None`` when the key
+    letter is not the one contracted (not P·v)."""
+    if len(sp) < 3:
+        return None
+    qi, ki = sp[-2], sp[-1]
+    batch = sp[:-2]
+    feats = [c for c in sv if c not in sp]
+    if ki in res or ki not in sv or qi in sv or qi not in res or len(feats) != 1 or feats[0] not in res:
+        return None
+    if not all(c in sv and c in res for c in batch) or len(res) != len(sp) or len(sv) != len(sp):
+        return None
+    return batch + ki, batch + qi + feats[0], feats[0]
+
+
+def prescale_factor(s: Any, invert: bool) -> Tuple[Optional[float], Optional[Tensor]]:
+    """A scalar factor applied to q or k before the product: (float, None) for a number or a
+    one-element CPU tensor (read without a device sync), (None, tensor) for a one-element tensor
+    on a device (kept there), (None, None) otherwise."""
+    if number(s):
+        f = float(s)
+        return (None, None) if f == 0 and invert else ((1.0 / f if invert else f), None)
+    if isinstance(s, Tensor) and s.is_floating_point() and s.numel() == 1:
+        if s.device.type == "cpu":
+            f = float(s.detach().reshape(()))
+            return (None, None) if f == 0 and invert else ((1.0 / f if invert else f), None)
+        t = s.detach().float().reshape(1)
+        return None, (t.reciprocal() if invert else t)
+    return None, None
 
 
 def number(x: Any) -> bool:
@@ -157,11 +251,17 @@ def scaled(node: Scores, f: Any) -> Scores:
 
 
 def reshaped(node: Scores, x: Tensor, out: Tensor) -> Optional[Scores]:
-    """The record of a view of the scores: only (B*H, L, S) <-> (B, H, L, S) keeps it."""
-    if x.shape[-2:] != out.shape[-2:] or out.dim() not in (3, 4):
+    """The record of a view of the scores: (B*H, L, S) <-> (B, H, L, S), and any view that keeps
+    (H, L, S) and regroups the leading dims (windows: (B·nW, H, L, S) <-> (B, nW, H, L, S))."""
+    if x.shape[-2:] != out.shape[-2:] or out.dim() < 3:
         return None
-    if out.dim() == x.dim():
-        return node if out.shape == x.shape else None
+    if out.shape == x.shape:
+        return node
+    heads = node.q.shape[1]
+    if x.dim() >= 4 and out.dim() >= 4 and x.shape[-3] == out.shape[-3] == heads and node.ndim == x.dim():
+        return dataclasses.replace(node, ndim=out.dim())
+    if out.dim() not in (3, 4) or x.dim() not in (3, 4) or out.dim() == x.dim():
+        return None
     if out.dim() == 3:  # (B, H, L, S) -> (B*H, L, S)
         return dataclasses.replace(node, ndim=3) if out.shape[0] == x.shape[0] * x.shape[1] else None
     # (N, L, S) -> (B, H, L, S): learn the heads of a bmm layout
@@ -179,13 +279,20 @@ def heads_of(t: Tensor, merged: Optional[Tuple[int, int]]) -> Tensor:
     """(B, H, n, d) from a 4-D tensor or a (B*H, n, d) one."""
     if t.dim() == 4:
         return t
+    if t.dim() > 4:  # extra leading dims (windows, blocks): flattened into the batch
+        return t.reshape(-1, *t.shape[-3:])
     if merged is not None and t.shape[0] == merged[0] * merged[1]:
         return t.reshape(merged[0], merged[1], *t.shape[1:])
     return t.unsqueeze(1)
 
 
 def lift(t: Tensor, layout: int, node: Scores) -> Tensor:
-    """A bias or mask applied to a ``layout``-dim score tensor, broadcastable to (B, H, L, S)."""
+    """A bias or mask applied to a ``layout``-dim score tensor, broadcastable to (B, H, L, S).
+    ``layout`` is the shape of the scores when it has more than 4 dims (extra leading dims)."""
+    if isinstance(layout, tuple):  # applied to (..., H, L, S) scores: flatten the leading dims
+        return t.expand(layout).reshape(-1, *layout[-3:])
+    if layout > 4 and t.dim() == layout:
+        return t.reshape(-1, *t.shape[-3:])
     if layout == 4 or t.dim() < 3:
         return t
     if node.merged is not None and t.shape[0] == node.merged[0] * node.merged[1] and node.merged[1] > 1:
@@ -196,7 +303,7 @@ def lift(t: Tensor, layout: int, node: Scores) -> Tensor:
 def to_call(node: Scores, logits: Tensor) -> AttentionCall:
     if node.unknown or node.tanh:
         return AttentionCall(q=node.q, k=node.k, v=None, scale=None, logits=lift(logits, logits.dim(), node),
-                             kind="eager")
+                             kind="eager", grad_of={n: (t, f) for n, t, f in node.grad_of} or None)
     bias: Optional[Tensor] = None
     for t, coeff, layout in node.biases:
         term = lift(t, layout, node)
@@ -213,7 +320,8 @@ def to_call(node: Scores, logits: Tensor) -> AttentionCall:
     if node.scale_t is not None:
         scale = node.scale_t * node.scale
     return AttentionCall(q=node.q, k=node.k, v=None, scale=scale, bias=bias, mask=valid,
-                         softcap=node.softcap, kind="eager")
+                         softcap=node.softcap, kind="eager", grad_of={n: (t, f) for n, t, f in node.grad_of} or None,
+                         scale_from=node.scale_from)
 
 
 def rescaled(node: Scores, x: Tensor, new: Union[float, Tensor]) -> Tuple[Tensor, Scores]:
@@ -232,8 +340,8 @@ def rescaled(node: Scores, x: Tensor, new: Union[float, Tensor]) -> Tuple[Tensor
         change = raw * delta.to(raw.dtype)
     else:
         change = raw * (float(new) - float(old))
-    if x.dim() == 3:
-        change = change.reshape(-1, *change.shape[-2:])
+    if x.dim() != 4:
+        change = change.reshape(x.shape)
     z = x + change.to(x.dtype)
     if isinstance(new, Tensor):
         return z, dataclasses.replace(node, scale=1.0, scale_t=new.detach())

@@ -82,11 +82,12 @@ class BackwardHooks:
         before = len(self._handles)
         self.step = step
         out, probs = call.output, call.probs
-        source = None
+        source, source_fn = None, None
+        own_out, out_fn = (call.grad_of or {}).get("output", (out, None))
         if isinstance(probs, Tensor) and probs.requires_grad:
             source = probs  # an eager softmax output: its gradient is dP itself, dropout included
-        elif isinstance(out, Tensor) and out.requires_grad and call.v is not None:
-            source = out  # its gradient ∂L/∂out gives dP = ∂L/∂out · vᵀ
+        elif isinstance(own_out, Tensor) and own_out.requires_grad and call.v is not None:
+            source, source_fn = own_out, out_fn  # its gradient ∂L/∂out gives dP = ∂L/∂out · vᵀ
         if source is not None and (call.scale is not None or call.logits is not None):
             # A slim copy of the record: detached tensors, no reference to the hooked tensor
             # itself (it holds the hook; a reference back would make a cycle only GC can free).
@@ -95,33 +96,37 @@ class BackwardHooks:
                 bias=_detached(call.bias), mask=_detached(call.mask), causal=call.causal,
                 softcap=call.softcap, site=call.site, kind=call.kind, logits=_detached(call.logits),
             )
-            hook = self._dp_hook(record, key, step, payload, from_probs=source is probs)
+            hook = self._dp_hook(record, key, step, payload, from_probs=source is probs, fn=source_fn)
             self._handles.append(source.register_hook(hook))
-        tensors = {"q": call.q, "k": call.k, "v": call.v}
-        for name, t in tensors.items():
+        # the model's own tensors (call.grad_of: a record made from them, and how their gradient
+        # becomes the record's)
+        sources = call.grad_of or {}
+        targets = {name: sources.get(name, (t, None)) for name, t in (("q", call.q), ("k", call.k), ("v", call.v))}
+        for name, (t, fn) in targets.items():
             if not isinstance(t, Tensor) or not t.requires_grad:
                 continue
-            if any(other is t for other_name, other in tensors.items() if other_name != name):
+            if any(other is t for other_name, (other, _) in targets.items() if other_name != name):
                 continue
-            self._handles.append(t.register_hook(self._input_hook(name, key, step)))
+            self._handles.append(t.register_hook(self._input_hook(name, key, step, fn)))
         return len(self._handles) - before
 
     def _dp_hook(self, record: AttentionCall, key: Hashable, step: int, payload: Any,
-                 from_probs: bool) -> Callable[[Tensor], None]:
+                 from_probs: bool, fn: Optional[Callable[[Tensor], Tensor]] = None) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
             try:
                 with torch.no_grad():
-                    self._on_logits(record, key, step, payload, grad, from_probs)
+                    self._on_logits(record, key, step, payload, grad if fn is None else fn(grad), from_probs)
             except Exception as err:  # noqa: BLE001 - a diagnostic never breaks training
                 self._warn(f"probe: grad_logits failed at {record.site!r}: {type(err).__name__}: {err}")
 
         return hook
 
-    def _input_hook(self, name: str, key: Hashable, step: int) -> Callable[[Tensor], None]:
+    def _input_hook(self, name: str, key: Hashable, step: int,
+                    fn: Optional[Callable[[Tensor], Tensor]] = None) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
             try:
                 with torch.no_grad():
-                    self._on_input(name, key, step, grad)
+                    self._on_input(name, key, step, grad if fn is None else fn(grad))
             except Exception as err:  # noqa: BLE001
                 self._warn(f"probe: grad_{name} failed at {key!r}: {type(err).__name__}: {err}")
 

@@ -33,6 +33,18 @@ __all__ = [  # the site names are re-exported from probe.capture.sites
 _IN_FRONT_END: contextvars.ContextVar[bool] = contextvars.ContextVar("probe_in_front_end", default=False)
 
 
+#: The recording mode's ``reserve`` while a front end handles a call (see :func:`reserve_site`).
+_RESERVE: contextvars.ContextVar[Optional[Callable[[], Any]]] = contextvars.ContextVar("probe_reserve", default=None)
+
+
+def reserve_site() -> Optional[Any]:
+    """The site key of the module running now, for a call a front end emits later (an eager
+    softmax waiting for its ``P @ v``): ``emit(call, key)`` then names the call after the module
+    that ran the softmax. ``None`` when the mode has no ``reserve``."""
+    reserve = _RESERVE.get()
+    return None if reserve is None else reserve()
+
+
 def in_front_end() -> bool:
     """Whether the current code runs inside a capture front end's ``handle``."""
     return _IN_FRONT_END.get()
@@ -45,7 +57,7 @@ class ModuleStack(SiteStack):
 
     def __init__(self, root: nn.Module) -> None:
         super().__init__(root)
-        self._suspended: Optional[Tuple[int, "CaptureMode"]] = None  # (module id, popped mode)
+        self._suspended: Optional[Tuple[int, "CaptureMode", List[Any]]] = None  # (module id, popped modes)
 
     def activate(self, inside_root: bool = True) -> None:
         super().activate(inside_root)
@@ -65,6 +77,8 @@ class ModuleStack(SiteStack):
     def _leaving(self, module: nn.Module) -> None:
         if self._suspended is not None and self._suspended[0] == id(module):
             torch._C._push_on_torch_function_stack(self._suspended[1])
+            for rider in reversed(self._suspended[2]):
+                torch._C._push_on_torch_function_stack(rider)
             self._suspended = None
         if self._stack and self._stack[-1][0] == id(module):
             self._drain()
@@ -89,14 +103,18 @@ class ModuleStack(SiteStack):
         front end's ``measure_fused(module, name, args, emit, site)`` measures it from its weights.
         """
         n = torch._C._len_torch_function_stack()
-        mode = torch._C._get_function_stack_at(n - 1) if n else None
+        riders = []  # modes that ride on the capture mode (probe.audit): they leave with it
+        while n > len(riders) and getattr(torch._C._get_function_stack_at(n - 1 - len(riders)), "rides_capture", False):
+            riders.append(torch._C._get_function_stack_at(n - 1 - len(riders)))
+        mode = torch._C._get_function_stack_at(n - 1 - len(riders)) if n > len(riders) else None
         if not isinstance(mode, CaptureMode) or not mode.recording:
             return
         frontend = next((f for f in mode.frontends if f.runs_fused(module, args)), None)
         if frontend is None:
             return
-        torch._C._pop_torch_function_stack()
-        self._suspended = (id(module), mode)
+        for _ in range(len(riders) + 1):
+            torch._C._pop_torch_function_stack()
+        self._suspended = (id(module), mode, riders)
         assert mode.emit is not None  # a recording mode
         frontend.measure_fused(module, name, args, mode.emit, self.named_site)
 
@@ -123,8 +141,10 @@ class CaptureMode(TorchFunctionMode):
     front end that applies overrides itself (probe then records the overridden scale).
     """
 
-    def __init__(self, frontends: Sequence[FrontEnd], emit: Optional[Emit]) -> None:
+    def __init__(self, frontends: Sequence[FrontEnd], emit: Optional[Emit],
+                 reserve: Optional[Callable[[], Any]] = None) -> None:
         super().__init__()
+        self._reserve = reserve
         self._routes: Dict[Callable[..., Any], FrontEnd] = {}
         for frontend in frontends:
             for func in frontend.funcs:
@@ -161,9 +181,11 @@ class CaptureMode(TorchFunctionMode):
                                    or _recorder_below(func)):
             return func(*args, **kwargs)
         token = _IN_FRONT_END.set(True)
+        reserving = _RESERVE.set(self._reserve)
         try:
             return frontend.handle(func, args, kwargs, self.emit)
         finally:
+            _RESERVE.reset(reserving)
             _IN_FRONT_END.reset(token)
 
     def pending(self) -> bool:

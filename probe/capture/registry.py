@@ -18,5 +18,11 @@ FRONT_ENDS: Tuple[Type[FrontEnd], ...] = (SDPAFrontEnd, EagerFrontEnd, MHAFrontE
 
 
 def default_frontends() -> List[FrontEnd]:
-    """Fresh instances of :data:`FRONT_ENDS`."""
-    return [cls() for cls in FRONT_ENDS]
+    """Fresh instances of :data:`FRONT_ENDS`; SDPA asks the eager front end for a scalar
+    factor applied to q or k before the call (``q_proj(h) * s`` then ``scale=1``: OPT, Whisper)."""
+    frontends = [cls() for cls in FRONT_ENDS]
+    eager = next((f for f in frontends if isinstance(f, EagerFrontEnd)), None)
+    for f in frontends:
+        if isinstance(f, SDPAFrontEnd) and eager is not None:
+            f.prescaled = eager.prescaled
+    return frontends

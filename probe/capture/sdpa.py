@@ -11,6 +11,7 @@ into one float ``attn_mask`` with the model's mask and ``is_causal`` (SDPA forbi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -62,10 +63,39 @@ def sdpa_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Optional[Te
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])  # SDPA's default, 1/sqrt(E)
     out = _to_4d(output) if isinstance(output, Tensor) and output.dim() >= 3 else output
+    # a 3-D or 5-D layout is recorded as a 4-D view: hooks go on the model's own tensors
+    own = {"q": q, "k": k, "v": v, "output": output}
+    grad_of = {n: (t, _to_4d) for n, t in own.items() if isinstance(t, Tensor) and t.dim() not in (4,) and t.dim() >= 3}
     return AttentionCall(
         q=q4, k=k4, v=v4, scale=scale, bias=bias, mask=mask, causal=bool(b.get("is_causal", False)),
-        output=out, kind="sdpa",
+        output=out, kind="sdpa", grad_of=grad_of or None,
     )
+
+
+def traced(call: AttentionCall, bound: Dict[str, Any], prescaled: Callable[[Tensor], Any]) -> AttentionCall:
+    """``call`` with scalar factors applied to q or k before SDPA (``q = q_proj(h) * s`` then
+    ``scale=1``: OPT, Whisper) taken out of q / k and into the scale, as the eager front end
+    does; ``prescaled(t)`` gives ``(base, factor, tensor factor, how)`` for such a tensor."""
+    how = []
+    grad_of = dict(call.grad_of or {})
+    fields: Dict[str, Any] = {"scale": call.scale}
+    for name, arg in (("q", "query"), ("k", "key")):
+        found = prescaled(bound.get(arg))
+        if found is None:
+            continue
+        base, f, f_t, text = found
+        if tuple(base.shape) != tuple(bound[arg].shape):
+            continue
+        own = bound[arg]
+        factor: Any = f_t if f_t is not None else f
+        fields[name] = _to_4d(base)
+        fields["scale"] = factor * fields["scale"]
+        grad_of[name] = (own, lambda g, factor=factor: _to_4d(g) * factor)
+        how.append(f"{name} {text}")
+    if not how:
+        return call
+    return dataclasses.replace(call, grad_of=grad_of, scale_from="; ".join(how) + " before SDPA",
+                               **fields)
 
 
 def _fold_masks(mask: Any, bias: Tensor, causal: bool, q: Tensor, k: Tensor) -> Tensor:
@@ -122,6 +152,8 @@ class SDPAFrontEnd(FrontEnd):
 
     funcs = (F.scaled_dot_product_attention,)
     applies_overrides = True
+    #: ``prescaled(tensor)``: the eager front end's record of a scalar factor on q or k, if any
+    prescaled: Optional[Callable[[Tensor], Any]] = None
 
     def handle(
         self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
@@ -139,6 +171,8 @@ class SDPAFrontEnd(FrontEnd):
                 args, kwargs = (), record
         if emit is not None:
             call = sdpa_call(args, kwargs, output)
+            if call is not None and self.prescaled is not None and change is None:
+                call = traced(call, bound, self.prescaled)
             if call is not None:
                 emit(call)
         return output

@@ -69,6 +69,11 @@ def site_names(root: nn.Module) -> Dict[int, str]:
     return names
 
 
+#: Parameterless ``torch.nn`` leaves that only wrap a function: a call they issue belongs to the
+#: module that called them (``self.softmax = nn.Softmax(-1)`` runs its parent's softmax).
+FUNCTION_MODULES = (nn.Softmax, nn.LogSoftmax, nn.Dropout, nn.Identity)
+
+
 class SiteStack:
     """The running modules of one model, kept by global forward hooks while active.
 
@@ -112,7 +117,7 @@ class SiteStack:
             self.root_running += 1
             return
         name = self._names.get(id(module))
-        if name is not None and self.root_running:
+        if name is not None and self.root_running and not isinstance(module, FUNCTION_MODULES):
             self._entering()
             self._stack.append([id(module), name, 0])
             self._entered(module, name, args)

@@ -75,9 +75,14 @@ def _rows(t: Optional[Tensor], r0: int, r1: int, pos: Optional[Tensor] = None) -
     return t[..., r0:r1, :] if pos is None else t.index_select(-2, pos)
 
 
+#: An additive bias at or below this masks its key (``AttentionCall``): its weight e^-100 ≈ 4e-44
+#: is below float32's smallest normal number, so the key's probability vanishes unless the logits
+#: themselves span more than 100. -inf, Hugging Face's finfo.min and Swin's -100 are all masks.
+MASK_BIAS = -100.0
+
+
 def _bias_valid(bias: Tensor) -> Tensor:
-    # Hugging Face masks use finfo.min instead of -inf; anything at most half of it is masked.
-    return bias > torch.finfo(bias.dtype).min / 2
+    return bias > MASK_BIAS
 
 
 def _chunk_mask(call: AttentionCall, r0: int, r1: int, pos: Optional[Tensor],

@@ -37,6 +37,7 @@ class Attn(nn.Module):
         self.core = core
         self.probs: Optional[Tensor] = None
         self.raw: Optional[tuple] = None
+        self.valid: Optional[Tensor] = None  # the keys the model masks, when not those of probability 0
 
     def forward(self, x: Tensor) -> Tensor:
         b, n, _ = x.shape
@@ -71,11 +72,11 @@ def run(core: Callable[..., Tensor], grads: bool = True):
     return net, s, [str(w.message) for w in caught if "probe" in str(w.message)]
 
 
-def entropy_ref(probs: Tensor) -> np.ndarray:
-    """Per-head mean normalised entropy of the model's own probabilities; keys whose probability
-    is exactly 0 are masked keys."""
+def entropy_ref(probs: Tensor, valid: Optional[Tensor] = None) -> np.ndarray:
+    """Per-head mean normalised entropy of the model's own probabilities; masked keys are those
+    of ``valid`` False, else those whose probability is exactly 0."""
     p = probs.detach().double().reshape(B, H, L, -1)
-    valid = (p > 0).sum(-1).double()
+    valid = ((p > 0) if valid is None else valid.expand_as(p)).sum(-1).double()
     ent = -(torch.where(p > 0, p * p.log(), torch.zeros_like(p))).sum(-1) / valid.clamp(min=2).log()
     return ent.mean((0, 2)).numpy()
 
@@ -85,21 +86,30 @@ def check(net: Net, s, scale: float, grads: bool = True, names: Optional[List[st
     assert s.sites == names
     for name, block in zip(names, net.blocks):
         info = s.info(name)
+        q, k = block.raw
+        raw = q @ k.transpose(-1, -2)
+        if block.probs is None:  # a fused kernel: the model's probabilities, recomputed in float64
+            block.probs = (raw * scale).softmax(-1)
         assert info["scale"] == pytest.approx(scale, rel=1e-6), name
-        np.testing.assert_allclose(s.value(name, "entropy"), entropy_ref(block.probs), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(s.value(name, "entropy"), entropy_ref(block.probs, block.valid), rtol=1e-5,
+                                   atol=1e-6)
         np.testing.assert_allclose(s.value(name, "max_prob"),
                                    block.probs.detach().double().reshape(B, H, L, -1).amax(-1).mean((0, 2)).numpy(),
                                    rtol=1e-5)
-        q, k = block.raw
-        raw = (q @ k.transpose(-1, -2)).reshape(B, H, -1)
-        np.testing.assert_allclose(s.value(name, "logit_var", "unscaled"), _pooled_var(raw), rtol=1e-4)
+        valid = block.probs.detach().reshape(raw.shape) > 0 if block.valid is None else block.valid.expand_as(raw)
+        np.testing.assert_allclose(s.value(name, "logit_var", "unscaled"), _pooled_var(raw, valid), rtol=1e-4)
         if grads:
             for g in ("grad_q", "grad_k", "grad_v"):
                 assert g in s.metrics(name), f"{name}: no {g}"
 
 
-def _pooled_var(raw: Tensor) -> np.ndarray:
-    return raw.permute(1, 0, 2).reshape(H, -1).var(-1, unbiased=False).numpy()
+def _pooled_var(raw: Tensor, valid: Tensor) -> np.ndarray:
+    """Per-head variance of the unscaled logits over the valid entries, pooled over the batch."""
+    out = []
+    for h in range(H):
+        x = raw[:, h][valid[:, h]]
+        out.append(float(((x - x.mean()) ** 2).mean()))
+    return np.array(out)
 
 
 def keep(m: Attn, p: Tensor) -> Tensor:
@@ -118,4 +128,165 @@ def core_mqa(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 def test_d_multi_query_broadcast() -> None:
     net, s, _ = run(core_mqa)
+    check(net, s, S0)
+
+
+def core_keyword_baddbmm(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    # Bloom: baddbmm with its batches passed by keyword
+    q3, k3, v3 = (t.reshape(B * H, L, D) for t in (q, k, v))
+    bias = torch.zeros(B * H, 1, L)
+    scores = torch.baddbmm(bias, batch1=q3, batch2=k3.transpose(1, 2), beta=1.0, alpha=S0)
+    p = keep(m, scores.softmax(-1))
+    return torch.bmm(p, v3).view(B, H, L, D)
+
+
+def test_a3_baddbmm_by_keyword() -> None:
+    net, s, _ = run(core_keyword_baddbmm)
+    check(net, s, S0)
+
+
+def core_repeat_kv(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    # Hugging Face repeat_kv on a grouped-query layout (one kv head repeated over the H heads)
+    k1, v1 = k[:, :1], v[:, :1]
+    kr = k1[:, :, None].expand(B, 1, H, L, D).reshape(B, H, L, D)
+    vr = v1[:, :, None].expand(B, 1, H, L, D).reshape(B, H, L, D)
+    m.raw = (q.detach().double(), kr.detach().double())
+    p = keep(m, (q @ kr.transpose(2, 3) * S0).softmax(-1))
+    return p @ vr
+
+
+def test_d_repeat_kv_has_grad_v() -> None:
+    net, s, _ = run(core_repeat_kv)
+    check(net, s, S0)
+
+
+def core_swin_view(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    attn = q * S0 @ k.transpose(-2, -1)
+    mask = torch.zeros(B, L, L)
+    mask[:, :, -1] = float("-inf")
+    attn = attn.view(-1, B, H, L, L) + mask.unsqueeze(1).unsqueeze(0)
+    attn = attn.view(-1, H, L, L)
+    return keep(m, attn.softmax(-1)) @ v
+
+
+def test_a1_scores_viewed_to_5d_and_back() -> None:
+    net, s, _ = run(core_swin_view)
+    check(net, s, S0)
+
+
+def core_5d(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    q5, k5, v5 = (t.unsqueeze(1) for t in (q, k, v))  # (B, T=1, H, N, d)
+    p = keep(m, (q5 @ k5.transpose(-2, -1) * S0).softmax(-1))
+    return (p @ v5).squeeze(1)
+
+
+def test_a2_five_dims_eager() -> None:
+    net, s, _ = run(core_5d)
+    check(net, s, S0)
+
+
+def core_5d_sdpa(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    q5, k5, v5 = (t.unsqueeze(1) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q5, k5, v5).squeeze(1)
+
+
+def test_a2_five_dims_sdpa() -> None:
+    net, s, _ = run(core_5d_sdpa)
+    check(net, s, S0)
+
+
+def core_floor(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    scores = q @ k.transpose(-1, -2) * S0
+    scores = torch.max(scores, torch.tensor(torch.finfo(scores.dtype).min))
+    return keep(m, scores.softmax(-1)) @ v
+
+
+def test_a4_floor() -> None:
+    net, s, _ = run(core_floor)
+    check(net, s, S0)
+
+
+@torch.jit.script
+def softclamp(t: Tensor, value: float) -> Tensor:
+    return (t / value).tanh() * value
+
+
+def core_script(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    scores = softclamp(q @ k.transpose(-1, -2) * S0, 50.0)
+    return keep(m, scores.softmax(-1)) @ v
+
+
+def test_a6_torchscript_is_warned() -> None:
+    net, s, warned = run(core_script)
+    assert any("blocks.0" in w for w in warned), warned
+
+
+def core_einsum_pv(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    p = keep(m, (q @ k.transpose(-1, -2) * S0).softmax(-1))
+    return torch.einsum("bnij,bjnd->bind", p, v.transpose(1, 2)).transpose(1, 2)
+
+
+def test_b_einsum_pv_named_by_softmax_module() -> None:
+    net, s, _ = run(core_einsum_pv)
+    check(net, s, S0)
+
+
+def core_gated(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    patch = (q @ k.transpose(-1, -2) * S0).softmax(-1)
+    pos = torch.linspace(0, 1, L * L).view(1, 1, L, L).expand(B, H, L, L).softmax(-1)
+    g = 0.3
+    p = keep(m, (1 - g) * patch + g * pos)
+    m.probs = patch
+    return p @ v
+
+
+def test_b_gated_probabilities_named_by_softmax_module() -> None:
+    net, s, _ = run(core_gated)
+    check(net, s, S0, grads=False)
+
+
+def core_prescaled_sdpa(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return F.scaled_dot_product_attention(q * S0, k, v, scale=1.0)
+
+
+def test_c_sdpa_prescaled_q() -> None:
+    net, s, _ = run(core_prescaled_sdpa)
+    check(net, s, S0)
+
+
+def core_deberta(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    c = math.sqrt(D * 3)
+    q3, k3, v3 = (t.reshape(B * H, L, D) for t in (q, k, v))
+    scores = torch.bmm(q3, k3.transpose(-1, -2) / torch.tensor(c, dtype=q.dtype))
+    p = keep(m, scores.view(B, H, L, L).softmax(-1))
+    return (p @ v)
+
+
+def test_c_k_divided() -> None:
+    net, s, _ = run(core_deberta)
+    check(net, s, 1 / math.sqrt(3 * D))
+
+
+def core_opt_eager(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    qs = (q.transpose(1, 2).reshape(B, L, H * D) * S0).view(B, L, H, D).transpose(1, 2)
+    p = keep(m, (qs @ k.transpose(-1, -2)).softmax(-1))
+    return p @ v
+
+
+def test_d_prescaled_then_viewed_has_grad_q() -> None:
+    net, s, _ = run(core_opt_eager)
+    check(net, s, S0)
+
+
+def core_bias_mask(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    mask = torch.zeros(L, L)
+    mask[:, -2:] = -100.0
+    scores = q @ k.transpose(-1, -2) * S0 + mask
+    m.valid = mask > -100  # Swin's -100 masks its keys: their probability e^-100 vanishes
+    p = keep(m, scores.softmax(-1))
+    return p @ v
+
+
+def test_f_large_negative_bias_is_masked() -> None:
+    net, s, _ = run(core_bias_mask)
     check(net, s, S0)

@@ -1,0 +1,235 @@
+"""The product rules of the eager front end (:class:`probe.capture.eager.EagerFrontEnd`).
+
+``a @ b`` of two batched activations starts a score record (q = a, kᵀ = b, any number of leading
+dims, ``baddbmm`` and two-operand ``einsum`` by any binding of their arguments); a product of
+recorded probabilities with v completes a call (``matmul`` or any ``einsum`` contracting the key
+letter); a scalar factor applied to q or k before the product (``q * s``, ``k / c``, a Python
+number or a one-element tensor) is remembered and taken into the scale, and SDPA asks for it too
+(:meth:`Products.prescaled`). The model's own operands carry the gradient hooks: a record made
+from them (a transpose, a reshape, an un-repeated kv head, a factor taken out) says how their
+gradient becomes its own (:func:`~probe.capture.eager_scores.grad_map`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from probe.capture.eager_scores import (
+    Meta,
+    Pending,
+    Scores,
+    einsum_pair,
+    factor,
+    grad_map,
+    heads_of,
+    number,
+    permuted,
+    prescale_factor,
+    pv_roles,
+    qk_roles,
+    scaled,
+)
+
+__all__ = ["Products"]
+
+
+def _transposed(g: Tensor) -> Tensor:
+    return g.transpose(-1, -2)
+
+
+class Products:
+    """Mixin: the product and scale handlers; the provenance table is the front end's."""
+
+    def _get(self, t: Any) -> Any:  # pragma: no cover - EagerFrontEnd's
+        raise NotImplementedError
+
+    def _set(self, t: Any, value: Any) -> None:  # pragma: no cover - EagerFrontEnd's
+        raise NotImplementedError
+
+    def _scores(self, *ts: Any) -> Tuple[Optional[Scores], int]:  # pragma: no cover - EagerFrontEnd's
+        raise NotImplementedError
+
+    # -- products ----------------------------------------------------------------------------------
+    def _start(self, a: Any, b: Any, out: Any, scale: float = 1.0, k: Optional[Tensor] = None) -> Optional[Scores]:
+        """A score record for ``out = a @ b`` when both are batched activations (``k``: the
+        model's own ``b.transpose(-1, -2)`` when the caller knows it)."""
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor) and isinstance(out, Tensor)):
+            return None
+        if a.dim() != b.dim() or a.dim() < 3 or isinstance(a, nn.Parameter) or isinstance(b, nn.Parameter):
+            return None
+        own_a, own_b = a, b
+        ma, mb = self._get(a), self._get(b)
+        scale_t: Optional[Tensor] = None
+        fa: Any = 1.0
+        fb: Any = 1.0
+        how = []
+        if isinstance(ma, Meta) and ma.base is not None:
+            a, fa = ma.base, (ma.factor_t if ma.factor_t is not None else ma.factor)
+            how.append(f"q {ma.how}".rstrip())
+        if isinstance(mb, Meta) and mb.base is not None:
+            b, fb = mb.base, (mb.factor_t if mb.factor_t is not None else mb.factor)
+            how.append(f"k {mb.how}".rstrip())
+        for f in (fa, fb):
+            if isinstance(f, Tensor):
+                scale_t = f.reshape(1) if scale_t is None else scale_t * f.reshape(1)
+            else:
+                scale = scale * f
+        mb = self._get(b)
+        q = a
+        # k is the model's own tensor when kᵀ was made by a transpose we saw (grad hooks need it)
+        if k is None:
+            src = mb.src if isinstance(mb, Meta) else None
+            if src is None and isinstance(mb, Meta) and mb.whole is not None:  # (B·H, d, S) from (B, H, d, S)
+                whole = self._get(mb.whole)
+                if isinstance(whole, Meta) and whole.src is not None:
+                    src = whole.src.reshape(-1, *whole.src.shape[2:])
+            k = src if src is not None else b.transpose(-1, -2)
+        if a.dim() > 4:  # extra leading dims (windows, blocks: (B, T, H, N, d)): flattened into the batch
+            q, k = q.reshape(-1, *q.shape[-3:]), k.reshape(-1, *k.shape[-3:])
+        merged = None
+        if a.dim() == 3:
+            merged = ma.merged if isinstance(ma, Meta) else None
+            if merged is not None and q.shape[0] == k.shape[0] == merged[0] * merged[1]:
+                # the model's own 4-D q and k where seen (their gradients reach the grad hooks)
+                q = self._whole(q, merged)
+                k = self._whole(k, merged)
+            else:
+                merged = None
+                q, k = q.unsqueeze(1), k.unsqueeze(1)
+        k = self._unrepeated(k)
+        if k.shape[0] not in (1, q.shape[0]) or q.shape[1] % k.shape[1]:
+            return None
+        grads = [("q", grad_map(own_a, q, fa)), ("k", grad_map(own_b, k, fb, _transposed))]
+        return Scores(q=q, k=k, ndim=out.dim(), merged=merged, scale=scale, scale_t=scale_t,
+                      grad_of=tuple((n, *g) for n, g in grads if g is not None),
+                      scale_from=("; ".join(how) + " before q·kᵀ") if how else None)
+
+    def prescaled(self, t: Any) -> Optional[Tuple[Tensor, float, Optional[Tensor], str]]:
+        """``(base, factor, tensor factor, how)`` when ``t`` is ``base`` times a scalar (for SDPA)."""
+        meta = self._get(t)
+        if isinstance(meta, Meta) and meta.base is not None:
+            return meta.base, meta.factor, meta.factor_t, meta.how
+        return None
+
+    def _unrepeated(self, t: Tensor) -> Tensor:
+        """The kv-head tensor behind a ``repeat_kv`` copy (grouped-query attention), else ``t``."""
+        meta = self._get(t)
+        return meta.kv if isinstance(meta, Meta) and meta.kv is not None else t
+
+    def _whole(self, t: Tensor, merged: Tuple[int, int]) -> Tensor:
+        meta = self._get(t)
+        if isinstance(meta, Meta) and meta.whole is not None and meta.base is None:
+            return meta.whole
+        return t.reshape(merged[0], merged[1], *t.shape[1:])
+
+    def _on_matmul(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
+        a = args[0] if args else kwargs.get("input")
+        b = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
+        probs = self._get(a)
+        if isinstance(probs, Pending):  # P @ v: the call is complete
+            if not (isinstance(a, Tensor) and isinstance(b, Tensor) and isinstance(out, Tensor)):
+                return
+            if a.dim() == b.dim() == out.dim() >= 3:
+                v = self._unrepeated(heads_of(b, probs.merged))
+                probs.fire(v, heads_of(out, probs.merged), grad_map(b, v))
+            return
+        self._set(out, self._start(a, b, out))
+
+    def _on_baddbmm(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
+        bound = {**dict(zip(("input", "batch1", "batch2"), args)), **kwargs}  # any binding of the arguments
+        bias, beta, alpha = bound.get("input"), bound.get("beta", 1), bound.get("alpha", 1)
+        if not (number(beta) and number(alpha)):
+            return
+        node = self._start(bound.get("batch1"), bound.get("batch2"), out, float(alpha))
+        if node is not None and beta != 0 and isinstance(bias, Tensor):
+            node = dataclasses.replace(node, biases=((bias, float(beta), 3),))
+        self._set(out, node)
+
+    def _on_einsum(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
+        parsed = einsum_pair(args)
+        if parsed is None or not isinstance(out, Tensor):
+            return
+        (x, y), (sx, sy, res) = parsed
+        for i, (sp, sv, t) in enumerate(((sx, sy, y), (sy, sx, x))):
+            probs = self._get((x, y)[i])
+            if not isinstance(probs, Pending):
+                continue
+            roles = pv_roles(sp, sv, res)
+            if roles is not None and isinstance(t, Tensor):  # P·v, any letters and operand order
+                to_v, to_out = [sv.index(c) for c in roles[0] + roles[2]], [res.index(c) for c in roles[1]]
+                v = heads_of(permuted(t, to_v), probs.merged)
+                probs.fire(v, heads_of(permuted(out, to_out), probs.merged),
+                           grad_map(t, v, pre=lambda g, d=to_v: g.permute(d)))
+            elif sp[-2:] == res[-2:]:  # P mixed over heads after the softmax (re-attention)
+                self._set(out, probs)
+            return
+        roles = qk_roles(sx, sy, res)
+        if roles is None:
+            return
+        to_q, to_k = [sx.index(c) for c in roles[0]], [sy.index(c) for c in roles[1]]
+        q, k = permuted(x, to_q), permuted(y, to_k)
+        node = self._start(q, k.transpose(-1, -2), out, k=k)
+        if node is not None:  # the model's own operands carry the gradients
+            grads = (("q", *grad_map(x, node.q, 1.0, pre=lambda g: g.permute(to_q))),
+                     ("k", *grad_map(y, node.k, pre=lambda g: g.permute(to_k))))
+            node = dataclasses.replace(node, grad_of=grads)
+        self._set(out, node)
+
+    # -- scale -------------------------------------------------------------------------------------
+    def _on_mul(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
+        if len(args) < 2:
+            return
+        node, i = self._scores(args[0], args[1])
+        if node is None:
+            if not self._keep_probs(args, out):
+                self._prescale(args[0], args[1], out, "multiplied by")
+            return
+        f = factor(args[1 - i], node)
+        self._set(out, dataclasses.replace(node, unknown=True) if f is None else scaled(node, f))
+
+    def _keep_probs(self, args: Tuple[Any, ...], out: Any) -> bool:
+        """P changed after the softmax (a gated mix, a renormalisation): still on its way to P·v."""
+        pending = next((r for r in map(self._get, args[:2]) if isinstance(r, Pending)), None)
+        if pending is not None and isinstance(out, Tensor) and out.dim() >= 3:
+            self._set(out, pending)
+        return pending is not None
+
+    def _prescale(self, a: Any, b: Any, out: Any, how: str) -> None:
+        # q * s (or k / c) before the product (timm, OPT, DeBERTa): remember s on the result.
+        x, s = (a, b) if isinstance(a, Tensor) else (b, a)
+        if not (isinstance(x, Tensor) and x.dim() >= 3 and isinstance(out, Tensor)):
+            return
+        f, f_t = prescale_factor(s, how == "divided by")
+        if f is None and f_t is None:
+            return
+        meta = self._get(x)
+        base, old, old_t, text = x, 1.0, None, ""
+        if isinstance(meta, Meta) and meta.base is not None:
+            base, old, old_t, text = meta.base, meta.factor, meta.factor_t, meta.how + " and "
+        if f_t is not None or old_t is not None:
+            f_t = (old_t if old_t is not None else torch.ones(1, device=out.device)) * (f_t if f_t is not None else f)
+            f = 1.0
+        shown = f"{float(s):.4g}" if number(s) or (isinstance(s, Tensor) and s.device.type == "cpu") else "a tensor"
+        merged = meta.merged if isinstance(meta, Meta) else None
+        self._set(out, Meta(base=base, factor=old * (f if f is not None else 1.0), factor_t=f_t, merged=merged,
+                            how=f"{text}{how} {shown}"))
+
+    def _on_div(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
+        node = self._get(args[0]) if args else None
+        if len(args) < 2:
+            return
+        if not isinstance(node, Scores):
+            if not self._keep_probs(args[:1], out) and kwargs.get("rounding_mode") is None:
+                self._prescale(args[0], args[1], out, "divided by")
+            return
+        f = None if kwargs.get("rounding_mode") is not None or node.tanh else factor(args[1], node)
+        if isinstance(f, float):
+            f = 1.0 / f if f != 0 else None
+        elif f is not None:
+            f = f.reciprocal()
+        self._set(out, dataclasses.replace(node, unknown=True) if f is None else scaled(node, f))
+
