@@ -317,26 +317,29 @@ def _xt(kw: Dict[str, Any]) -> Tuple[nn.Module, tuple, dict]:
 
 
 # -- timm ----------------------------------------------------------------------------------------------
-_TIMM = ["vit_tiny_patch16_224", "deit_tiny_patch16_224", "swin_tiny_patch4_window7_224", "convit_tiny",
-         "cait_xxs24_224", "levit_128s", "twins_svt_small", "pvt_v2_b0", "xcit_nano_12_p16_224", "beit_base_patch16_224",
-         "eva02_tiny_patch14_224", "coat_tiny", "crossvit_tiny_240", "efficientformer_l1", "mvitv2_tiny",
-         "volo_d1_224", "nest_tiny", "gcvit_xxtiny", "tnt_s_patch16_224", "maxvit_nano_rw_256", "sequencer2d_s",
-         "visformer_tiny", "poolformerv2_s12", "focalnet_tiny_srf", "davit_tiny", "edgenext_xx_small",
-         "fastvit_t8", "swinv2_cr_tiny_224", "mobilevitv2_050", "tiny_vit_5m_224", "hiera_tiny_224", "vitamin_small_224"]
+#: real timm models (name, create_model kwargs): small inputs where the model takes ``img_size``
+_TIMM: List[Tuple[str, Dict[str, Any]]] = [
+    ("vit_tiny_patch16_224", dict(img_size=64)), ("swin_tiny_patch4_window7_224", {}), ("convit_tiny", dict(img_size=64)),
+    ("cait_xxs24_224", dict(img_size=64, depth=4)), ("levit_128s", dict(img_size=64)), ("twins_svt_small", {}),
+    ("pvt_v2_b0", dict(img_size=64)), ("xcit_nano_12_p16_224", dict(img_size=64)), ("beit_base_patch16_224",
+    dict(img_size=64, depth=2)), ("eva02_tiny_patch14_224", dict(img_size=56)), ("nest_tiny", dict(img_size=64)),
+    ("gcvit_xxtiny", {}), ("volo_d1_224", dict(img_size=64)), ("mvitv2_tiny", {}), ("coat_tiny", dict(img_size=64)),
+    ("crossvit_tiny_240", {}), ("efficientformer_l1", {}), ("tnt_s_patch16_224", dict(img_size=64)),
+]
 
 
 def timm_cases() -> Iterator[Case]:
     import timm
 
-    for name in _TIMM:
+    for name, kw in _TIMM:
         for fused in (True, False):
-            def build(name=name, fused=fused):
+            def build(name=name, kw=kw, fused=fused):
                 torch.manual_seed(0)
-                model = timm.create_model(name, pretrained=False, num_classes=10).eval()
+                model = timm.create_model(name, pretrained=False, num_classes=10, **kw).eval()
                 for m in model.modules():
                     if hasattr(m, "fused_attn"):
                         m.fused_attn = fused
-                size = model.default_cfg.get("input_size", (3, 224, 224))
+                size = (3, kw["img_size"], kw["img_size"]) if "img_size" in kw else model.default_cfg["input_size"]
                 x = torch.randn(1, *size, generator=torch.Generator().manual_seed(1))
                 return model, (x,), {}
             yield f"timm/{name}/{'fused' if fused else 'eager'}", build, None
@@ -381,7 +384,9 @@ def check(name: str, build: Callable[[], Tuple[nn.Module, tuple, dict]], expecte
             silent += not loud
             problems.append(f"{row.site}: {', '.join(issue)}{'' if loud else ' (silent)'}")
     result = {"name": name, "sites": len(report.rows), "bad": len(problems), "silent": silent, "problems": problems,
-              "scales": scales}
+              "scales": scales, "captured": sum(r.captured for r in report.rows),
+              "front_ends": sorted({r.front_end for r in report.rows if r.front_end}),
+              "grads": sorted({g[5:] for r in report.rows for g in r.grads}, key=("logits", "q", "k", "v").index)}
     status = "ok" if not problems else f"{len(problems)} problem(s), {silent} silent"
     print(f"{name}: {len(report.rows)} sites, {status}")
     if not quiet:
@@ -395,6 +400,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--only", default="hf,thirdparty,timm")
     parser.add_argument("--match", default="", help="only cases whose name contains this")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--markdown", action="store_true", help="also print one table row per run (docs/models.md)")
     args = parser.parse_args(argv)
     groups = args.only.split(",")
     sources: List[Tuple[str, Callable[[], Iterator[Case]]]] = [("hf", hf_cases), ("thirdparty", thirdparty_cases),
@@ -415,6 +421,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             if r is not None:
                 results.setdefault(group, []).append(r)
     _hf_parity(results.get("hf", []))
+    if args.markdown:
+        print("\n| model / configuration | sites captured | front end | gradient metrics | problems |")
+        print("| --- | --- | --- | --- | --- |")
+        for rs in results.values():
+            for r in rs:
+                problems = "; ".join(p.replace(" (silent)", "") for p in r["problems"]) or "-"
+                print(f"| {r['name']} | {r.get('captured', 0)} of {r['sites']} | {', '.join(r.get('front_ends', []))} | "
+                      f"{', '.join(r.get('grads', [])) or '-'} | {problems} |")
     print("\n| group | runs | runs with a problem | runs silently wrong | sites | sites with a problem | silent |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for group, rs in results.items():

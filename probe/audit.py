@@ -7,12 +7,11 @@ Each such softmax, and each SDPA / ``nn.MultiheadAttention`` call, is an attenti
 profiler tells the audit every call it reports, and an event no reported call accounts for is a
 miss, with the reason (the op after which the scores were no longer followed).
 
-Rules (a taint that follows the scores from the product to the softmax):
+Rules (a taint follows the scores from the product to the softmax):
 
-* a *product of two activations* (``matmul``, ``@``, ``bmm``, ``baddbmm``, a two-operand
-  ``einsum``) starts a taint; a tensor is a *constant* when it is a parameter or buffer of the
-  model, or computed only from constants (position tables, masks, ``arange``); anything else,
-  model inputs included, is an activation;
+* a *product of two activations* (``matmul``, ``@``, ``bmm``, ``baddbmm``, two-operand ``einsum``)
+  starts a taint; *constants* are the model's parameters and buffers and what is computed only
+  from them or from factories (position tables, masks, ``arange``), anything else is an activation;
 * every other op whose tensor inputs carry a taint passes it on (views, reshapes, masks, biases,
   floors, clamps, ``torch.max``, indexing, in-place writes into another tensor...), except
   contractions with constants that consume the key dim (``F.linear``, ``scores @ W``), which end
@@ -80,6 +79,7 @@ class Event:
     lost_at: Optional[str] = None
     shapes: str = ""
     unseen: bool = False  # the scores reached the softmax through code the audit could not see
+    dim: Optional[int] = None  # a softmax over another dim than the last (the keys)
     reported: Optional[str] = None  # the site probe reported it under
     front_end: Optional[str] = None
 
@@ -91,6 +91,8 @@ class Event:
                     "a C++ extension)")
         if self.kind != "softmax":
             return f"the {self.kind} call was not understood"
+        if self.dim is not None:
+            return f"a softmax over dim {self.dim}, not over the keys (the last dim)"
         chain = " -> ".join(self.ops)
         if self.lost_at is None:
             return f"not recognised ({chain} -> softmax)"
@@ -122,10 +124,11 @@ class Audit(TorchFunctionMode):
         followed: ``followed(tensor)`` says whether capture still holds a score record for a
             tensor (the eager front end's provenance table); used only to say *where* scores were lost.
 
-    Use: enter it above the capture mode (it must see the model's ops first), call
-    :meth:`reported` for every call the profiler reports, and read :meth:`misses` after the
-    forward (and after the capture mode has emitted what it still held).
+    Enter it above the capture mode (it must see the model's ops first), call :meth:`reported`
+    for every reported call, read :meth:`misses` once the capture mode emitted what it held.
     """
+
+    rides_capture = True  # leaves the mode stack with the capture mode (a fused nested-tensor module)
 
     def __init__(self, model: nn.Module, followed: Optional[Callable[[Tensor], bool]] = None) -> None:
         super().__init__()
@@ -184,8 +187,7 @@ class Audit(TorchFunctionMode):
             self._stack.append(name)
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
-        name = self._names.get(id(module))
-        if name is not None and id(module) not in self._wrappers and len(self._stack) > 1 and self._stack[-1] == name:
+        if len(self._stack) > 1 and self._stack[-1] == self._names.get(id(module)):
             self._stack.pop()
 
     # -- the profiler's side -------------------------------------------------------------------------
@@ -228,7 +230,6 @@ class Audit(TorchFunctionMode):
         def drop(ref: weakref.ref, key: int = key) -> None:
             if table.get(key) is ref:
                 del table[key]
-
         table[key] = weakref.ref(t, drop)
 
     def _taint(self, t: Any) -> Optional[_Taint]:
@@ -288,8 +289,10 @@ class Audit(TorchFunctionMode):
         taint = self._taint(x)
         event = None
         if taint is not None:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            other = isinstance(dim, int) and isinstance(x, Tensor) and dim not in (-1, x.dim() - 1)
             event = Event(module=self._module(), kind="softmax", ops=taint.ops, lost_at=taint.lost_at,
-                          shapes=taint.shapes)
+                          shapes=taint.shapes, dim=dim if other else None)
         elif isinstance(x, Tensor) and x.dim() >= 2 and self._reaches_scores(x):
             event = Event(module=self._module(), kind="softmax", unseen=True)
         if event is None:
@@ -388,3 +391,4 @@ class Audit(TorchFunctionMode):
             if self._taint(t) is not None and len(spec) >= 2 and "." not in spec:
                 return spec[-2] in res and spec[-1] in res
         return False
+

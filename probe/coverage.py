@@ -22,7 +22,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from probe.audit import Audit, Event
+from probe.audit import Event
+from probe.audit_warning import FirstForwardAudit
 from probe.errors import ProbeError
 
 __all__ = ["Coverage", "Row", "coverage"]
@@ -137,8 +138,8 @@ def coverage(model: nn.Module, *args: Any, backward: bool = True, **kwargs: Any)
         raise ProbeError(f"expected `model` to be a torch.nn.Module, got {type(model).__name__}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the report says what the warnings would
-        p = Probe(model, grads=backward, audit=False) if _accepts_audit() else Probe(model, grads=backward)
-    audit = _attach(p, model)
+        p = Probe(model, grads=backward, audit=False)
+    audit = p._audit = FirstForwardAudit(model, p._frontends, warn=False)
     ran_backward = False
     try:
         with warnings.catch_warnings():
@@ -152,50 +153,10 @@ def coverage(model: nn.Module, *args: Any, backward: bool = True, **kwargs: Any)
                 raise ProbeError(f"the model's forward (or backward) raised {type(err).__name__}: {err}") from err
             summary = p.summary()
     finally:
-        _detach(p)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             p.close()
     return Coverage(rows=_rows(audit.events, summary), backward=ran_backward)
-
-
-def _accepts_audit() -> bool:
-    import inspect
-
-    from probe.profiler import Probe
-
-    return "audit" in inspect.signature(Probe.__init__).parameters
-
-
-def _attach(p: Any, model: nn.Module) -> Audit:
-    """Run an audit above probe's capture mode during the root forward, told of every report."""
-    from probe.capture.eager import EagerFrontEnd, _Scores
-
-    eager = next((f for f in p._frontends if isinstance(f, EagerFrontEnd)), None)
-    followed = None if eager is None else (lambda t: isinstance(eager._get(t), _Scores))
-    audit = Audit(model, followed)
-    emit = p._emit
-
-    def reporting_emit(call: Any) -> None:
-        emit(call)
-        audit.reported(call, call.site)
-
-    p._emit = reporting_emit
-
-    def start(module: nn.Module, args: Any) -> None:
-        audit.__enter__()
-
-    def end(module: nn.Module, args: Any, output: Any) -> None:
-        audit.__exit__(None, None, None)
-
-    p._coverage_handles = [model.register_forward_pre_hook(start),
-                           model.register_forward_hook(end, prepend=True, always_call=True)]
-    return audit
-
-
-def _detach(p: Any) -> None:
-    for handle in getattr(p, "_coverage_handles", ()):
-        handle.remove()
 
 
 def _rows(events: List[Event], summary: Any) -> List[Row]:

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
 import torch
 from torch import nn
 
+from probe.audit_warning import FirstForwardAudit
 from probe.capture.mode import CaptureMode, ModuleStack, SitesFilter, site_filter
 from probe.capture.registry import default_frontends
 from probe.compiled import EagerSteps, check_model, is_compiled, outside_graph
@@ -67,6 +68,8 @@ class Probe:
             ``False``: per-rank statistics). Only rank 0 of the group writes (TensorBoard, sinks,
             ``probe_summary.json``); every rank's :meth:`summary` is the global one as of the last
             flush. Every rank must flush at the same steps (see ``docs/distributed.md``).
+        audit: audit the first sampled forward (:mod:`probe.audit`): one warning for each
+            attention probe does not measure, or names after another module. ``False``: skip it.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class Probe:
         group: Any = None,
         rows: Optional[int] = None,
         close_timeout: float = 30.0,
+        audit: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"expected `model` to be a torch.nn.Module, got {type(model).__name__}")
@@ -138,6 +142,7 @@ class Probe:
                              saturation=self.saturation, memory_budget=self.memory_budget, rows=self.rows,
                              grads=self.grads, site_ok=self._site_ok, warn=self._writer.warn)
         self._grad_hooks = self._rec.grad_hooks
+        self._audit = FirstForwardAudit(model, self._frontends) if audit else None
         self._started = False
         self._auto_step = True
         self._paused = False
@@ -247,8 +252,11 @@ class Probe:
         self._eager.enter()  # compiled code in this forward runs eagerly, so the capture sees it
         self._emitted_before = self._rec.emitted
         self._stack.activate()
-        self._mode = CaptureMode(self._frontends, self._emit)
+        self._mode = CaptureMode(self._frontends, self._emit, self._rec.reserve)
         self._mode.__enter__()
+        if self._audit is not None and not self._audit.done:
+            self._rec.observer = self._audit.reported
+            self._audit.start()  # above the capture mode: it sees the model's ops first
 
     def _on_traced_forward_start(self, module: nn.Module, args: Any) -> None:
         self._eager.hooks_traced = self._eager.in_graph = True
@@ -276,7 +284,7 @@ class Probe:
     def _warn_compiled(self, kind: str, message: str) -> None:
         self._warned_compiled(kind, message, stacklevel=3)
 
-    def _emit(self, call: Any) -> None:
+    def _emit(self, call: Any, key: Any = None) -> None:
         if self._frame.stale():
             # The root forward ended with a BaseException; this call is someone else's. The mode
             # cannot pop itself from inside its own handler: it goes inert here, and the next
@@ -285,7 +293,7 @@ class Probe:
                 self._mode._paused = True
             self._stack.deactivate()
             return
-        self._rec.emit(call)
+        self._rec.emit(call, key)
 
     def _recover_if_interrupted(self) -> None:
         """Restore the state a root forward left when a BaseException (KeyboardInterrupt,
@@ -301,10 +309,15 @@ class Probe:
         self._eager.arm(self._sampled((self._step + 1) if self._auto_step else self._step))
 
     def _stop_capture(self) -> None:
+        if self._audit is not None:
+            self._audit.stop()
         if self._mode is not None:
             mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
+            mode.__exit__(None, None, None)  # emits what the front ends still held
         self._stack.deactivate()
+        if self._audit is not None and self._rec.observer is not None:
+            self._rec.observer = None
+            self._audit.finish()
 
     # -- flush -----------------------------------------------------------------------------------
     def _flush(self) -> None:

@@ -203,3 +203,34 @@ def test_cli(tmp_path, capsys) -> None:
     assert main(["coverage", "no_colon"]) == 2
     assert main(["coverage", f"{target}:absent"]) == 2
     assert "no callable 'absent'" in capsys.readouterr().err
+
+
+def test_watch_warns_once_per_missed_attention_on_the_first_sampled_forward() -> None:
+    torch.manual_seed(0)
+    model = Net(["plain", "permute", "sdpa"])
+    with pytest.warns(UserWarning, match=r"attention at 'layers.1' is NOT measured: the scores were lost at `permute`"):
+        with probe.watch(model) as p:
+            model(x())
+    assert p.summary().sites == ["layers.0", "layers.2"]
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.watch(model, audit=False) as p:
+            model(x())
+        with probe.watch(Net(["plain", "sdpa"])) as p:  # nothing missed: nothing said
+            model2 = p.model
+            model2(x())
+            model2(x())
+    assert not [w for w in caught if "NOT measured" in str(w.message)]
+    assert hook_count(model) == 0 and not _get_current_function_mode_stack()
+
+
+def test_audit_pays_only_on_the_first_sampled_forward() -> None:
+    model = Net(["plain"])
+    with probe.watch(model) as p:
+        model(x())
+        assert p._audit.done and p._rec.observer is None
+        model(x())
+    assert p.summary().sites == ["layers.0"]
+    assert not _get_current_function_mode_stack()
