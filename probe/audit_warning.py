@@ -33,10 +33,12 @@ class FirstForwardAudit:
         self.done = False
         self.events: List[Event] = []  # what the audited forward found (probe.coverage reads it)
 
-    def start(self) -> None:
+    def start(self, recorder: Any) -> None:
+        """Audit this forward, if it is the first; ``recorder.observer`` then reports to it."""
         if self.done:
             return
         self.done = True
+        recorder.observer = self.reported
         try:
             from probe.capture.eager import EagerFrontEnd
             from probe.capture.eager_scores import Scores as _Scores
@@ -57,9 +59,11 @@ class FirstForwardAudit:
         if self._audit is not None:
             self._audit.reported(call, site)
 
-    def finish(self) -> None:
+    def finish(self, recorder: Any = None) -> None:
         import warnings
 
+        if recorder is not None:
+            recorder.observer = None
         audit, self._audit = self._audit, None
         if audit is None:
             return

@@ -68,8 +68,7 @@ class Probe:
             ``False``: per-rank statistics). Only rank 0 of the group writes (TensorBoard, sinks,
             ``probe_summary.json``); every rank's :meth:`summary` is the global one as of the last
             flush. Every rank must flush at the same steps (see ``docs/distributed.md``).
-        audit: audit the first sampled forward (:mod:`probe.audit`): one warning for each
-            attention probe does not measure, or names after another module. ``False``: skip it.
+        audit: warn once per attention the first sampled forward shows probe misses (:mod:`probe.audit`).
     """
 
     def __init__(
@@ -254,9 +253,8 @@ class Probe:
         self._stack.activate()
         self._mode = CaptureMode(self._frontends, self._emit, self._rec.reserve)
         self._mode.__enter__()
-        if self._audit is not None and not self._audit.done:
-            self._rec.observer = self._audit.reported
-            self._audit.start()  # above the capture mode: it sees the model's ops first
+        if self._audit is not None:
+            self._audit.start(self._rec)  # above the capture mode: it sees the model's ops first
 
     def _on_traced_forward_start(self, module: nn.Module, args: Any) -> None:
         self._eager.hooks_traced = self._eager.in_graph = True
@@ -315,9 +313,8 @@ class Probe:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)  # emits what the front ends still held
         self._stack.deactivate()
-        if self._audit is not None and self._rec.observer is not None:
-            self._rec.observer = None
-            self._audit.finish()
+        if self._audit is not None:
+            self._audit.finish(self._rec)
 
     # -- flush -----------------------------------------------------------------------------------
     def _flush(self) -> None:
