@@ -25,12 +25,12 @@ class FirstForwardAudit:
     emitted what it still held.
     """
 
-    def __init__(self, model: nn.Module, frontends: Any, warn: bool = True) -> None:
+    def __init__(self, model: nn.Module, frontends: Any, warn: bool = True, done: bool = False) -> None:
         self._model = model
         self._frontends = frontends
         self._audit: Optional[Audit] = None
         self._warn = warn
-        self.done = False
+        self.done = done  # True: no audit (``probe.watch(..., audit=False)``)
         self.events: List[Event] = []  # what the audited forward found (probe.coverage reads it)
 
     def start(self, recorder: Any) -> None:

@@ -42,8 +42,7 @@ class Probe:
 
     Args:
         model: the root module; it is not modified (two hooks on it, removed by ``close``).
-        logdir: a directory for TensorBoard events and ``probe_summary.json``, or an existing
-            ``SummaryWriter``; ``None`` keeps statistics in memory only.
+        logdir: a directory (TensorBoard events, ``probe_summary.json``) or a ``SummaryWriter``; ``None``: memory only.
         every: probe one step in ``every``.
         scales: extra named scales, ``{"half": 0.0625}`` or ``{"half": lambda d: 0.5 * d**-0.5}``.
         grads: also measure gradients on sampled steps.
@@ -51,23 +50,19 @@ class Probe:
         saturation: τ, a row counts as saturated when its max probability is at least τ.
         per_head: also write per-head TensorBoard scalars.
         flush_every: flush after this many sampled steps.
-        memory_budget: bytes of extra memory the statistics of one call may use (query rows are
-            processed in chunks that fit).
+        memory_budget: bytes of extra memory the statistics of one call may use (rows in chunks).
         sinks: extra sinks receiving each flush (see :class:`probe.sinks.base.Sink`).
         rows: a budget of query rows for the exponential metrics of long sequences: ``entropy``,
-            ``max_prob`` and ``saturation`` of a call with more than ``rows`` query rows are
-            computed on ``rows`` positions drawn uniformly (seeded, reproducible), unbiased, with
-            their standard errors as ``entropy_se``, ``max_prob_se``, ``saturation_se``;
-            ``logit_var``, ``logit_max`` and counts stay exact (docs/performance.md); info gets
-            ``"rows"``. ``None``: every statistic exact.
-        close_timeout: seconds :meth:`close` waits for the sinks to write what they hold; a sink
-            still busy after that is named in a warning and left behind (``probe_summary.json`` is
-            written before the wait, so it is complete either way).
+            ``max_prob``, ``saturation`` of a call with more than ``rows`` query rows are computed on
+            ``rows`` positions drawn uniformly (seeded, reproducible), unbiased, with standard errors
+            ``entropy_se``, ``max_prob_se``, ``saturation_se``; ``logit_var``, ``logit_max`` and
+            counts stay exact (docs/performance.md); info gets ``"rows"``. ``None``: all exact.
+        close_timeout: seconds :meth:`close` waits for the sinks (a sink still busy: warned, left behind).
         group: under ``torch.distributed``, the process group whose ranks' statistics are reduced
             at each flush (default: the default group when initialized with several ranks;
-            ``False``: per-rank statistics). Only rank 0 of the group writes (TensorBoard, sinks,
-            ``probe_summary.json``); every rank's :meth:`summary` is the global one as of the last
-            flush. Every rank must flush at the same steps (see ``docs/distributed.md``).
+            ``False``: per-rank statistics). Only rank 0 writes (TensorBoard, sinks, summary file);
+            every rank's :meth:`summary` is the global one as of the last flush, and every rank
+            must flush at the same steps (``docs/distributed.md``).
         audit: warn once per attention the first sampled forward shows probe misses (:mod:`probe.audit`).
     """
 
@@ -141,7 +136,7 @@ class Probe:
                              saturation=self.saturation, memory_budget=self.memory_budget, rows=self.rows,
                              grads=self.grads, site_ok=self._site_ok, warn=self._writer.warn)
         self._grad_hooks = self._rec.grad_hooks
-        self._audit = FirstForwardAudit(model, self._frontends) if audit else None
+        self._audit = FirstForwardAudit(model, self._frontends, done=not audit)
         self._started = False
         self._auto_step = True
         self._paused = False
@@ -253,8 +248,7 @@ class Probe:
         self._stack.activate()
         self._mode = CaptureMode(self._frontends, self._emit, self._rec.reserve)
         self._mode.__enter__()
-        if self._audit is not None:
-            self._audit.start(self._rec)  # above the capture mode: it sees the model's ops first
+        self._audit.start(self._rec)  # above the capture mode: it sees the model's ops first
 
     def _on_traced_forward_start(self, module: nn.Module, args: Any) -> None:
         self._eager.hooks_traced = self._eager.in_graph = True
@@ -307,14 +301,12 @@ class Probe:
         self._eager.arm(self._sampled((self._step + 1) if self._auto_step else self._step))
 
     def _stop_capture(self) -> None:
-        if self._audit is not None:
-            self._audit.stop()
+        self._audit.stop()
         if self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)  # emits what the front ends still held
         self._stack.deactivate()
-        if self._audit is not None:
-            self._audit.finish(self._rec)
+        self._audit.finish(self._rec)
 
     # -- flush -----------------------------------------------------------------------------------
     def _flush(self) -> None:
