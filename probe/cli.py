@@ -1,38 +1,79 @@
-"""The ``probe`` command line (also ``python -m probe``)."""
+"""The ``probe`` command line (also ``python -m probe``): the parser, ``main`` and the demo-model
+commands (``probe demo``, ``probe compare``); ``probe check`` / ``probe report`` live in
+:mod:`probe.cli_check`, the exit codes in :mod:`probe.exit_codes`."""
 
 from __future__ import annotations
 
 import argparse
-import enum
 import os
 import sys
 from typing import Any, List, Optional, TextIO
 
+from probe.cli_check import positive_int
 from probe.cli_check import add_commands as add_check_commands
+from probe.exit_codes import ExitCode
 
-__all__ = ["ExitCode", "main"]
-
-
-class ExitCode(enum.IntEnum):
-    OK = 0
-    VIOLATIONS = 1
-    USAGE = 2
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
-    return value
+__all__ = ["ExitCode", "build_parser", "main"]
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from probe.demo import run_demo
 
     run_demo(steps=args.steps, logdir=args.logdir, seed=args.seed)
+    return ExitCode.OK
+
+
+def _cli_scale(text: str) -> Any:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _zero_or_more(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
+    return value
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from probe.comparison import compare
+    from probe.demo import DemoConfig, TinyTransformer, copy_batch, copy_loss
+    from probe.errors import ProbeError
+
+    config = DemoConfig(seed=args.seed, batch=args.batch)
+    torch.manual_seed(config.seed)
+    model = TinyTransformer(config)
+    gen = torch.Generator().manual_seed(config.seed + 1)
+    if args.train_steps:
+        opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
+        for _ in range(args.train_steps):
+            opt.zero_grad(set_to_none=True)
+            copy_loss(model, copy_batch(config, gen), config.length).backward()
+            opt.step()
+    batch = copy_batch(config, gen)
+    scales = args.scale or ["actual", "unscaled"]
+    try:
+        result = compare(model, batch, lambda m, b: copy_loss(m, b, config.length), scales=scales)
+    except ProbeError as err:
+        print(f"probe compare: error: {err}", file=sys.stderr)
+        return ExitCode.USAGE
+    d_k = config.d_model // config.heads
+    print(f"probe compare: demo model ({config.layers} layers, {config.heads} heads, d_k = {d_k}, "
+          f"actual scale 1/√{d_k}), {args.train_steps} training steps, one batch of {config.batch}")
+    print(result.table())
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result.to_dict(), f, indent=1)
+        print(f"written: {args.json}")
     return ExitCode.OK
 
 
@@ -43,14 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"probe {__version__} (attention-probe)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser("demo", help="train a small transformer with and without scaling, log to TensorBoard")
-    demo.add_argument("--steps", type=_positive_int, default=200, help="training steps per run (default 200)")
+    demo.add_argument("--steps", type=positive_int, default=200, help="training steps per run (default 200)")
     demo.add_argument("--logdir", default="runs/demo", help="TensorBoard directory (default runs/demo)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_cmd_demo)
     add_check_commands(sub)  # probe check, probe report
-    from probe.comparison import add_commands as add_compare_commands
-
-    add_compare_commands(sub)  # probe compare
+    cmd = sub.add_parser("compare", help="one forward/backward of the demo model per scale, side by side")
+    cmd.add_argument("--scale", action="append", type=_cli_scale, metavar="SCALE",
+                     help="actual, unscaled, standard or a float; repeat (default: actual and unscaled)")
+    cmd.add_argument("--train-steps", type=_zero_or_more, default=0,
+                     help="train the demo model (standard scaling) this many steps first (default 0)")
+    cmd.add_argument("--batch", type=positive_int, default=32, help="batch size (default 32)")
+    cmd.add_argument("--seed", type=int, default=0)
+    cmd.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    cmd.set_defaults(func=_cmd_compare)
     from probe.coverage import add_commands as add_coverage_commands
 
     add_coverage_commands(sub)  # probe coverage

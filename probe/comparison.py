@@ -18,10 +18,8 @@ before attaching one, or accept the extra probed steps.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
-import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -33,7 +31,7 @@ from probe.intervene import ScaleSpec, SitesFilter, _parse_spec, modules_by_site
 from probe.profiler import watch
 from probe.summary import Summary
 
-__all__ = ["COLUMNS", "Comparison", "add_commands", "compare"]
+__all__ = ["COLUMNS", "Comparison", "compare"]
 
 #: The per-site quantities of a comparison, in table order.
 COLUMNS = ("entropy", "saturation", "grad_logits", "grad_q", "grad_k", "grad_v", "param_grad")
@@ -207,64 +205,3 @@ def compare(
             for buffer, value in saved_buffers:
                 buffer.copy_(value)
     return Comparison([label for label, _ in specs], losses, summaries, param_grad)
-
-
-# -- probe compare (CLI) -----------------------------------------------------------------------------
-def _cli_scale(text: str) -> ScaleSpec:
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def _cmd_compare(args: argparse.Namespace) -> int:
-    import json
-
-    from probe.demo import DemoConfig, TinyTransformer, copy_batch, copy_loss
-
-    config = DemoConfig(seed=args.seed, batch=args.batch)
-    torch.manual_seed(config.seed)
-    model = TinyTransformer(config)
-    gen = torch.Generator().manual_seed(config.seed + 1)
-    if args.train_steps:
-        opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
-        for _ in range(args.train_steps):
-            opt.zero_grad(set_to_none=True)
-            copy_loss(model, copy_batch(config, gen), config.length).backward()
-            opt.step()
-    batch = copy_batch(config, gen)
-    scales = args.scale or ["actual", "unscaled"]
-    try:
-        result = compare(model, batch, lambda m, b: copy_loss(m, b, config.length), scales=scales)
-    except ProbeError as err:
-        print(f"probe compare: {err}", file=sys.stderr)
-        return 2
-    d_k = config.d_model // config.heads
-    print(f"probe compare: demo model ({config.layers} layers, {config.heads} heads, d_k = {d_k}, "
-          f"actual scale 1/sqrt({d_k})), {args.train_steps} training steps, one batch of {config.batch}")
-    print(result.table())
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result.to_dict(), f, indent=1)
-        print(f"written: {args.json}")
-    return 0
-
-
-def add_commands(sub: Any) -> None:
-    """Register ``probe compare`` on the CLI's subparsers."""
-    def positive_or_zero(text: str) -> int:
-        value = int(text)
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
-        return value
-
-    cmd = sub.add_parser("compare", help="one forward/backward of the demo model per scale, side by side")
-    cmd.add_argument("--scale", action="append", type=_cli_scale, metavar="SCALE",
-                     help="actual, unscaled, standard or a float; repeat (default: actual and unscaled)")
-    cmd.add_argument("--train-steps", type=positive_or_zero, default=0,
-                     help="train the demo model (standard scaling) this many steps first (default 0)")
-    cmd.add_argument("--batch", type=int, default=32, help="batch size (default 32)")
-    cmd.add_argument("--seed", type=int, default=0)
-    cmd.add_argument("--json", metavar="PATH", help="also write the table as JSON")
-    cmd.set_defaults(func=_cmd_compare)
-

@@ -30,6 +30,7 @@ import numpy as np
 
 from probe.errors import ProbeError, StabilityError
 from probe.files import read_regular_file
+from probe.names import printable
 from probe.summary import Summary, json_number
 from probe.threshold_expr import DEFAULT_THRESHOLDS, Threshold, ThresholdLike, as_thresholds, parse_threshold
 from probe.threshold_expr import _OPS
@@ -197,7 +198,7 @@ def format_table(violations: Sequence[Violation]) -> str:
     """A plain-text table: site, head, metric@scale, value, limit, threshold."""
     header = ("site", "head", "metric@scale", "value", "limit", "threshold")
     rows = [header] + [
-        (v.site, "agg" if v.head is None else str(v.head), f"{v.metric}@{v.scale}", format_value(v.value),
+        (printable(v.site), "agg" if v.head is None else str(v.head), f"{v.metric}@{v.scale}", format_value(v.value),
          f"{v.op} {v.limit:g}", v.threshold)
         for v in violations
     ]

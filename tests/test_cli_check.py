@@ -13,7 +13,7 @@ import torch
 
 import probe
 from probe.cli import ExitCode, main
-from probe.cli_check import load_run
+from probe.runs import StepWindow, load_run
 from tests.helpers import SDPAModel
 
 NAN = float("nan")
@@ -179,11 +179,68 @@ def test_report_and_json(tmp_path, capsys):
     run = _save(tmp_path / "run", [10.0, 150.0, 120.0])
     assert main(["report", str(run)]) == ExitCode.OK
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].startswith("enc.0.attn  (kind sdpa, heads 3, kv_heads 3, d_k 16, scale 0.25, calls 2)")
-    rows = {ln.split()[0]: ln.split()[1:] for ln in lines[2:]}
+    assert lines[1].startswith("values from all 2 probed steps;")
+    assert lines[2].startswith("enc.0.attn  (kind sdpa, heads 3, kv_heads 3, d_k 16, scale 1/√16, calls 2)")
+    rows = {ln.split()[0]: ln.split()[1:] for ln in lines[3:]}
     assert rows["metric"] == ["actual", "unscaled", "heads", "@actual", "(min..max)"]
     assert rows["logit_max"] == ["150", "600", "10..150"]      # head max; unscaled = 4x
     assert rows["entropy"] == ["0.45", "-", "0.4..0.5"]       # head mean, NaN head ignored
     assert main(["report", str(run), "--json"]) == ExitCode.OK
     data = json.loads(capsys.readouterr().out)
     assert probe.Summary.from_dict(data["summary"]).value("enc.0.attn", "logit_max").tolist() == [10.0, 150.0, 120.0]
+
+
+# -- a directory of runs, step windows -------------------------------------------------------------
+def test_parent_directory_judges_every_run_and_exits_with_the_worst(tmp_path, capsys):
+    _save(tmp_path / "demo" / "scaled", [10.0, 20.0, 30.0])
+    _save(tmp_path / "demo" / "unscaled", [10.0, 150.0, 30.0])
+    assert main(["check", str(tmp_path / "demo")]) == ExitCode.VIOLATIONS
+    out = capsys.readouterr().out
+    assert "2 runs below it" in out
+    verdicts = out[out.index("verdicts (worst first):"):].splitlines()[1:]
+    assert verdicts[0].split()[:2] == ["FAIL", str(tmp_path / "demo" / "unscaled")]
+    assert verdicts[1].split()[:2] == ["PASS", str(tmp_path / "demo" / "scaled")]
+    (tmp_path / "demo" / "broken").mkdir()
+    (tmp_path / "demo" / "broken" / "probe_summary.json").write_text("{")
+    assert main(["check", str(tmp_path / "demo"), "--json"]) == ExitCode.USAGE
+    data = json.loads(capsys.readouterr().out)
+    assert [r["exit"] for r in data["runs"]] == [2, 0, 1] and data["ok"] is False
+    assert main(["report", str(tmp_path / "demo" / "scaled")]) == ExitCode.OK
+
+
+def _sink_run(logdir, per_step):
+    from probe.sinks.tensorboard import TensorBoardSink
+
+    with TensorBoardSink(str(logdir), images=False, histograms=False) as sink:
+        for step, (logit_max, grad) in per_step.items():
+            sink.write(step, probe.Summary({"a.attn": {"info": {"heads": 1}, "metrics": {
+                "logit_max": {"actual": [logit_max]}, "nonfinite": {"actual": [0.0]}, "grad_q": {"actual": [grad]}}}}))
+
+
+def test_last_n_and_step_range_judge_a_window(tmp_path, capsys):
+    _sink_run(tmp_path / "tb", {0: (150.0, 3.0), 5: (90.0, 4.0), 10: (40.0, 0.0)})
+    assert main(["check", str(tmp_path / "tb")]) == ExitCode.VIOLATIONS
+    assert main(["check", str(tmp_path / "tb"), "--last", "2"]) == ExitCode.OK
+    out = capsys.readouterr().out
+    assert "values from the last 2 probed steps: 2 probed steps (5..10)" in out
+    assert main(["check", str(tmp_path / "tb"), "--steps", "0:5", "-t", "logit_max < 100"]) == 1
+    events, _ = load_run(str(tmp_path / "tb"), StepWindow(start=5))
+    assert events.value("a.attn", "logit_max").tolist() == [90.0]
+    np.testing.assert_allclose(events.value("a.attn", "grad_q"), [np.sqrt((16.0 + 0.0) / 2)])  # RMS over steps
+    assert main(["check", str(tmp_path / "tb"), "--steps", "20:"]) == ExitCode.USAGE
+    assert "no probed step in steps 20.." in capsys.readouterr().err
+    _save(tmp_path / "summary_only", [1.0, 2.0, 3.0])
+    assert main(["check", str(tmp_path / "summary_only"), "--last", "3"]) == ExitCode.USAGE
+    assert "needs the run's TensorBoard event files" in capsys.readouterr().err
+    assert main(["check", str(tmp_path / "tb"), "--steps", "9:3"]) == ExitCode.USAGE
+
+
+def test_a_rerun_into_the_same_directory_is_not_mixed_in(tmp_path, capsys):
+    import time
+
+    _sink_run(tmp_path / "tb", {0: (150.0, 1.0), 5: (150.0, 1.0)})
+    time.sleep(1.1)  # event file names carry the second they were created
+    _sink_run(tmp_path / "tb", {0: (10.0, 1.0), 5: (20.0, 1.0)})
+    events, _ = load_run(str(tmp_path / "tb"))
+    assert events.steps == 2 and events.value("a.attn", "logit_max").tolist() == [20.0]
+    assert "holds more than one run" in events.meta["note"]

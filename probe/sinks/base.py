@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Iterator, Optional, Protocol, Set, Tuple, Type, runtime_checkable
 
 from probe.stats.finalize import head_reduce
+from probe.sinks.tags import scalar_tag  # re-exported: the tag names live in probe.sinks.tags
 from probe.summary import Summary
 
 __all__ = ["BaseSink", "Sink", "SinkGuard", "head_scalars", "scalar_tag"]
@@ -61,12 +62,6 @@ class BaseSink:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def scalar_tag(metric: str, scale: str, site: str, head: Optional[int] = None) -> str:
-    """``probe/{metric}/{scale}/{site}``, or ``.../head{h:02d}`` for one head."""
-    tag = f"probe/{metric}/{scale}/{site}"
-    return tag if head is None else f"{tag}/head{head:02d}"
 
 
 def head_scalars(summary: Summary, per_head: bool = False) -> Iterator[Tuple[str, float]]:

@@ -1,14 +1,9 @@
 """TensorBoard sink: scalars, heatmaps, histograms, a custom-scalars layout and the sites table.
 
-Tags (DESIGN.md "TensorBoard tags"):
-
-- ``probe/{metric}/{scale}/{site}``: head mean (head max for ``logit_max``, sum for ``nonfinite``)
-- ``probe/{metric}/{scale}/{site}/head{h:02d}``: per head, with ``per_head=True``
-- image ``probe_heatmap/{metric}/{scale}``: sites × heads (fixed colour range per metric, see
-  :mod:`probe.sinks.images`), on their own cadence (``image_every``)
-- histogram ``probe_hist/{metric}/{scale}``: the values of all heads of all sites, with the images
-- a custom-scalars layout: category ``probe/{metric}``, one chart per site with every scale
-- text ``probe/sites``: the table of detected sites
+The tag names are defined in :mod:`probe.sinks.tags` (``probe.{metric}/{scale}/{site}``,
+``probe.{metric}.heatmap/{scale}``, ``probe.{metric}.hist/{scale}``, custom-scalars category
+``probe.{metric}``, text ``probe.sites``): one TensorBoard group per metric; site names encoded so
+``/`` or a newline cannot split a tag.
 
 Every write runs on probe's background worker, never on the training thread.
 
@@ -30,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from probe.errors import ProbeError
+from probe.sinks import tags
 from probe.sinks.base import head_scalars, scalar_tag
 from probe.sinks.images import grid_of, render_heatmap
 from probe.summary import Summary
@@ -37,22 +33,20 @@ from probe.summary import Summary
 __all__ = ["TensorBoardSink", "custom_scalars_layout", "scalar_tag", "sites_table"]
 
 
-def _fmt_scale(scale: Any) -> str:
-    if scale is None:
-        return "unknown"
-    if isinstance(scale, list):
-        return "per-head [" + ", ".join(f"{s:.4g}" for s in scale) + "]"
-    return f"{scale:.6g}"
+def _cell(text: Any) -> str:
+    return tags.printable(str(text)).replace("|", "\\|")  # a markdown table cell
 
 
-def sites_table(summary: Summary) -> str:
-    """A markdown table of the detected sites (TensorBoard renders text summaries as markdown)."""
-    lines = ["| site | kind | heads | kv heads | d_k | actual scale | calls (first flush) |", "|---|---|---|---|---|---|---|"]
+def sites_table(summary: Summary, step: Optional[int] = None) -> str:
+    """A markdown table of the detected sites (TensorBoard renders text summaries as markdown);
+    ``calls`` counts the site's probed attention calls up to ``step``."""
+    lines = [] if step is None else [f"Attention sites found by step {step} (calls: probed calls up to then).", ""]
+    lines += ["| site | kind | heads | kv heads | d_k | actual scale | calls |", "|---|---|---|---|---|---|---|"]
     for site in summary.sites:
         i = summary.info(site)
         lines.append(
-            f"| {site} | {i.get('kind')} | {i.get('heads')} | {i.get('kv_heads')} | {i.get('d_k')} "
-            f"| {_fmt_scale(i.get('scale'))} | {i.get('calls')} |"
+            f"| {_cell(site)} | {i.get('kind')} | {i.get('heads')} | {i.get('kv_heads')} | {i.get('d_k')} "
+            f"| {tags.scale_label(i.get('scale'), i.get('d_k'))} | {i.get('calls')} |"
         )
     return "\n".join(lines)
 
@@ -66,8 +60,9 @@ def custom_scalars_layout(metric_sites: Dict[str, List[str]]) -> Dict[str, Dict[
     anchor keeps the ``/headNN`` scalars of ``per_head=True`` out of the chart.
     """
     return {
-        f"probe/{metric}": {
-            site: ["Multiline", [f"^probe/{re.escape(metric)}/[^/]+/{re.escape(site)}$"]] for site in sites
+        tags.category(metric): {
+            tags.printable(site): ["Multiline", [f"^{re.escape(tags.category(metric))}/[^/]+/{re.escape(tags.encode_name(site))}$"]]
+            for site in sites
         }
         for metric, sites in metric_sites.items()
     }
@@ -81,8 +76,8 @@ class TensorBoardSink:
             then writes beside the user's own scalars, at the step probe was given, and never
             closes it).
         per_head: also write ``.../head{h:02d}`` scalars.
-        images: write the ``probe_heatmap`` images.
-        histograms: write the ``probe_hist`` histograms.
+        images: write the heatmap images (``probe.{metric}.heatmap/{scale}``).
+        histograms: write the histograms (``probe.{metric}.hist/{scale}``).
         image_every: steps between two flushes with images and histograms (1: every flush).
 
     Pitfall: a run has one custom-scalars layout; with a user's writer that already has its own
@@ -168,7 +163,7 @@ class TensorBoardSink:
             self._infos[site] = summary.info(site)
         if tuple(self._infos) != self._sites_written:
             table = Summary({s: {"info": i} for s, i in self._infos.items()})
-            w.add_text("probe/sites", sites_table(table), step)
+            w.add_text(tags.SITES_TAG, sites_table(table, step), step)
             self._sites_written = tuple(self._infos)
         w.flush()  # on the worker thread: TensorBoard sees each flush without the training loop waiting
 
@@ -182,13 +177,13 @@ class TensorBoardSink:
         for (metric, scale), rows in by_metric.items():
             if self.images:
                 grid, _ = grid_of([v for _, v in rows])
-                image = render_heatmap(grid, [s for s, _ in rows], metric, scale, step)
-                w.add_image(f"probe_heatmap/{metric}/{scale}", image, step, dataformats="HWC")
+                image = render_heatmap(grid, [tags.printable(s) for s, _ in rows], metric, scale, step)
+                w.add_image(tags.heatmap_tag(metric, scale), image, step, dataformats="HWC")
             if self.histograms:
                 values = np.concatenate([v for _, v in rows])
                 values = values[np.isfinite(values)]
                 if values.size:
-                    w.add_histogram(f"probe_hist/{metric}/{scale}", values, step, bins="auto")
+                    w.add_histogram(tags.histogram_tag(metric, scale), values, step, bins="auto")
 
     def _write_layout(self, w: Any, summary: Summary) -> None:
         grown = False

@@ -86,17 +86,17 @@ def test_tensorboard_serves_scalars_images_histograms_layout_and_text(server):
     for site in sites:
         for metric in refs[0].metrics(site):
             for scale in refs[0].scales(site, metric):
-                tag = f"probe/{metric}/{scale}/{site}"
+                tag = f"probe.{metric}/{scale}/{site}"
                 assert tag in tags and f"{tag}/head03" in tags
-    points = _json(base, "data/plugin/scalars/scalars", run="run", tag="probe/entropy/unscaled/layers.1")
+    points = _json(base, "data/plugin/scalars/scalars", run="run", tag="probe.entropy/unscaled/layers.1")
     assert [p[1] for p in points] == [0, 1, 2]
     want = [head_reduce("entropy", r.value("layers.1", "entropy", "unscaled")) for r in refs]
     np.testing.assert_allclose([p[2] for p in points], want, rtol=1e-5)
 
     # images: one heatmap per metric and scale, on their cadence (first flush, last state at close)
     image_tags = _json(base, "data/plugin/images/tags")["run"]
-    assert "probe_heatmap/entropy/unscaled" in image_tags and "probe_heatmap/grad_q/actual" in image_tags
-    meta = _json(base, "data/plugin/images/images", run="run", tag="probe_heatmap/saturation/unscaled")
+    assert "probe.entropy.heatmap/unscaled" in image_tags and "probe.grad_q.heatmap/actual" in image_tags
+    meta = _json(base, "data/plugin/images/images", run="run", tag="probe.saturation.heatmap/unscaled")
     assert [m["step"] for m in meta] == [0, 2]
     png = _get(base, "data/plugin/images/individualImage?" + meta[-1]["query"])
     img = Image.open(io.BytesIO(png))
@@ -104,8 +104,8 @@ def test_tensorboard_serves_scalars_images_histograms_layout_and_text(server):
 
     # histograms: all heads of all sites, with the images
     hist_tags = _json(base, "data/plugin/histograms/tags")["run"]
-    assert "probe_hist/logit_max/standard" in hist_tags
-    hist = _json(base, "data/plugin/histograms/histograms", run="run", tag="probe_hist/logit_max/standard")
+    assert "probe.logit_max.hist/standard" in hist_tags
+    hist = _json(base, "data/plugin/histograms/histograms", run="run", tag="probe.logit_max.hist/standard")
     assert [h[1] for h in hist] == [0, 2]
     for (_, _, buckets), ref in zip(hist, (refs[0], refs[-1])):
         assert sum(b[2] for b in buckets) == pytest.approx(8)  # 2 sites × 4 heads
@@ -116,15 +116,15 @@ def test_tensorboard_serves_scalars_images_histograms_layout_and_text(server):
     # custom scalars: one category per metric, one chart per site; its regex yields the 3 scales
     layout = _json(base, "data/plugin/custom_scalars/layout")
     titles = [c["title"] for c in layout["category"]]
-    assert titles == [f"probe/{m}" for m in refs[0].metrics("layers.0")]
-    chart = layout["category"][titles.index("probe/entropy")]["chart"][1]
+    assert titles == [f"probe.{m}" for m in refs[0].metrics("layers.0")]
+    chart = layout["category"][titles.index("probe.entropy")]["chart"][1]
     assert chart["title"] == "layers.1"
     (regex,) = chart["multiline"]["tag"]
     lines = _json(base, "data/plugin/custom_scalars/scalars", run="run", tag=regex)
     assert lines["regex_valid"] and sorted(lines["tag_to_events"]) == [
-        "probe/entropy/actual/layers.1", "probe/entropy/standard/layers.1", "probe/entropy/unscaled/layers.1"]
+        "probe.entropy/actual/layers.1", "probe.entropy/standard/layers.1", "probe.entropy/unscaled/layers.1"]
 
     # text: the sites table
-    assert _json(base, "data/plugin/text/tags")["run"] == ["probe/sites/text_summary"]
-    (entry,) = _json(base, "data/plugin/text/text", run="run", tag="probe/sites/text_summary")
+    assert _json(base, "data/plugin/text/tags")["run"] == ["probe.sites/text_summary"]
+    (entry,) = _json(base, "data/plugin/text/text", run="run", tag="probe.sites/text_summary")
     assert re.search(r"<td>layers\.1</td>\s*<td>sdpa</td>\s*<td>4</td>", entry["text"])

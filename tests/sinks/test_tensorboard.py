@@ -70,10 +70,10 @@ def test_every_tag_holds_the_values_of_each_step(tmp_path):
 
     for metric in s.metrics("layers.0"):
         for scale in s.scales("layers.0", metric):
-            hist = acc.Histograms(f"probe_hist/{metric}/{scale}")
+            hist = acc.Histograms(f"probe.{metric}.hist/{scale}")
             # pictures on their own cadence: the first flush, then the last state at close
             assert [h.step for h in hist] == [0, steps - 1]
-            images = acc.Images(f"probe_heatmap/{metric}/{scale}")
+            images = acc.Images(f"probe.{metric}.heatmap/{scale}")
             assert [i.step for i in images] == [0, steps - 1]
             for i, ref in zip((0, 1), (refs[0], refs[-1])):
                 values = np.concatenate([ref.value(site, metric, scale) for site in ref.sites])
@@ -91,14 +91,14 @@ def test_every_tag_holds_the_values_of_each_step(tmp_path):
             # float32 events vs the float64 reference may move a colour by one step at most
             assert np.abs(decoded.astype(int) - expected.astype(int)).max() <= 2
 
-    text = acc.Tensors("probe/sites/text_summary")[-1].tensor_proto.string_val[0].decode()
-    assert "| layers.0 | sdpa | 4 | 4 | 16 | 0.25 |" in text and "| layers.1 |" in text
+    text = acc.Tensors("probe.sites/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert "| layers.0 | sdpa | 4 | 4 | 16 | 1/√16 |" in text and "| layers.1 |" in text
 
     layout = _layout(acc)
     categories = {c.title: c for c in layout.category}
-    assert set(categories) == {f"probe/{m}" for m in s.metrics("layers.0")}
+    assert set(categories) == {f"probe.{m}" for m in s.metrics("layers.0")}
     for metric in s.metrics("layers.0"):
-        charts = categories[f"probe/{metric}"].chart
+        charts = categories[f"probe.{metric}"].chart
         assert [c.title for c in charts] == ["layers.0", "layers.1"]
         for chart in charts:
             (regex,) = chart.multiline.tag
@@ -108,13 +108,13 @@ def test_every_tag_holds_the_values_of_each_step(tmp_path):
 
 def test_layout_escapes_site_names_and_excludes_head_tags():
     layout = custom_scalars_layout({"entropy": ["a.b#2"]})
-    (kind, (regex,)) = layout["probe/entropy"]["a.b#2"]
+    (kind, (regex,)) = layout["probe.entropy"]["a.b#2"]
     assert kind == "Multiline"
-    assert re.search(regex, "probe/entropy/unscaled/a.b#2")
-    assert re.search(regex, "probe/entropy/half/a.b#2")  # extra scales join the chart
-    assert not re.search(regex, "probe/entropy/unscaled/axb#2")
-    assert not re.search(regex, "probe/entropy/unscaled/a.b#2/head00")
-    assert not re.search(regex, "probe/logit_max/unscaled/a.b#2")
+    assert re.search(regex, "probe.entropy/unscaled/a.b#2")
+    assert re.search(regex, "probe.entropy/half/a.b#2")  # extra scales join the chart
+    assert not re.search(regex, "probe.entropy/unscaled/axb#2")
+    assert not re.search(regex, "probe.entropy/unscaled/a.b#2/head00")
+    assert not re.search(regex, "probe.logit_max/unscaled/a.b#2")
 
 
 def test_writes_beside_the_users_own_writer_at_their_global_step(tmp_path):
@@ -134,8 +134,8 @@ def test_writes_beside_the_users_own_writer_at_their_global_step(tmp_path):
     acc = _events(tmp_path)
     assert [e.step for e in acc.Scalars("train/loss")] == [100, 200, 300]
     assert [e.step for e in acc.Scalars("train/after_close")] == [400]
-    assert [e.step for e in acc.Scalars("probe/entropy/actual/layers.0")] == [100, 200, 300]
-    assert [e.step for e in acc.Images("probe_heatmap/entropy/unscaled")] == [100, 200, 300]
+    assert [e.step for e in acc.Scalars("probe.entropy/actual/layers.0")] == [100, 200, 300]
+    assert [e.step for e in acc.Images("probe.entropy.heatmap/unscaled")] == [100, 200, 300]
     assert (tmp_path / "probe_summary.json").exists()
 
 
@@ -157,7 +157,7 @@ def test_flush_every_aggregates_windows_and_writes_at_their_last_step(tmp_path):
                                        ref.value("layers.0", metric, "unscaled" if metric != "grad_q" else "actual"),
                                        rtol=1e-4, atol=1e-6, err_msg=f"{metric} at {step}")
     acc = _events(tmp_path)
-    assert [e.step for e in acc.Scalars("probe/max_prob/standard/layers.1")] == [2, 5, 6]
+    assert [e.step for e in acc.Scalars("probe.max_prob/standard/layers.1")] == [2, 5, 6]
     assert p.summary().steps == 7
 
 
@@ -202,22 +202,22 @@ def test_sites_appearing_later_and_extra_scales_reach_every_panel(tmp_path):
         model(x, second=True)
     acc = _events(tmp_path)
     layout = _layout(acc)  # the last layout written, which TensorBoard shows
-    entropy = next(c for c in layout.category if c.title == "probe/entropy")
+    entropy = next(c for c in layout.category if c.title == "probe.entropy")
     assert [c.title for c in entropy.chart] == ["a", "b"]
     (regex,) = entropy.chart[1].multiline.tag
     assert sorted(t for t in acc.Tags()["scalars"] if re.search(regex, t)) == [  # no /headNN tags
-        f"probe/entropy/{s}/b" for s in ("actual", "half", "standard", "unscaled")]
-    assert [e.step for e in acc.Scalars("probe/entropy/half/b")] == [1]
-    assert [i.step for i in acc.Images("probe_heatmap/entropy/half")] == [0, 1]
+        f"probe.entropy/{s}/b" for s in ("actual", "half", "standard", "unscaled")]
+    assert [e.step for e in acc.Scalars("probe.entropy/half/b")] == [1]
+    assert [i.step for i in acc.Images("probe.entropy.heatmap/half")] == [0, 1]
     # the heatmap of step 0 has one row (site a), of step 1 two: it grew with the sites
-    for image, sites in zip(acc.Images("probe_heatmap/entropy/half"), (["a"], ["a", "b"])):
+    for image, sites in zip(acc.Images("probe.entropy.heatmap/half"), (["a"], ["a", "b"])):
         decoded = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"))
         grid = np.array([[next(e.value for e in acc.Scalars(scalar_tag("entropy", "half", site, h)) if e.step == image.step)
                           for h in range(4)] for site in sites])
         expected = render_heatmap(grid, sites, "entropy", "half", image.step)
         assert decoded.shape == expected.shape
         assert np.abs(decoded.astype(int) - expected.astype(int)).max() <= 2
-    tables = [t.tensor_proto.string_val[0].decode() for t in acc.Tensors("probe/sites/text_summary")]
+    tables = [t.tensor_proto.string_val[0].decode() for t in acc.Tensors("probe.sites/text_summary")]
     assert len(tables) == 2 and "| b |" not in tables[0] and "| b | sdpa |" in tables[1]
 
 
@@ -232,10 +232,10 @@ def test_pictures_follow_their_own_cadence(tmp_path):
         for x in xs:
             train_step(model, x)
     acc = _events(tmp_path)
-    tag = next(t for t in acc.Tags()["scalars"] if t.startswith("probe/entropy/actual/"))
+    tag = next(t for t in acc.Tags()["scalars"] if t.startswith("probe.entropy/actual/"))
     assert [e.step for e in acc.Scalars(tag)] == list(range(7))
-    assert [i.step for i in acc.Images("probe_heatmap/entropy/actual")] == [0, 3, 6]
-    assert [h.step for h in acc.Histograms("probe_hist/entropy/actual")] == [0, 3, 6]
+    assert [i.step for i in acc.Images("probe.entropy.heatmap/actual")] == [0, 3, 6]
+    assert [h.step for h in acc.Histograms("probe.entropy.hist/actual")] == [0, 3, 6]
     with pytest.raises(probe.ProbeError, match="image_every"):
         TensorBoardSink(tmp_path, image_every=0)
 
@@ -248,4 +248,4 @@ def test_last_pictures_written_at_close(tmp_path):
         for x in xs:
             train_step(model, x)
     acc = _events(tmp_path)
-    assert [i.step for i in acc.Images("probe_heatmap/max_prob/standard")] == [0, 3, 4]
+    assert [i.step for i in acc.Images("probe.max_prob.heatmap/standard")] == [0, 3, 4]

@@ -1,0 +1,105 @@
+"""TensorBoard tag names, in one place: the TensorBoard sink writes them, ``probe check`` reads them.
+
+TensorBoard's Scalars dashboard groups tags by their first path component, so the metric leads and
+each metric is its own group (``probe.entropy``, ``probe.logit_max``, ...):
+
+=================  ==========================================  ======================================
+plugin             tag                                         content
+=================  ==========================================  ======================================
+scalar             ``probe.{metric}/{scale}/{site}``           head mean (max for ``logit_max``,
+                                                               sum for ``nonfinite``)
+scalar             ``probe.{metric}/{scale}/{site}/head{h:02d}``  one head (``per_head=True``)
+image              ``probe.{metric}.heatmap/{scale}``          sites × heads heatmap
+histogram          ``probe.{metric}.hist/{scale}``             all heads of all sites
+custom scalars     category ``probe.{metric}``, a chart a site  every scale on one pair of axes
+text               ``probe.sites``                             the detected sites
+=================  ==========================================  ======================================
+
+Site and scale names are encoded in tags (:func:`probe.names.encode_name`): ``%``, ``/`` and
+control characters become ``%XX``, so ``a/head03`` stays one site and a newline cannot break a
+writer; reading a tag back decodes the raw name, which the summary keeps.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple, Optional
+
+from probe.names import decode_name, encode_name, printable
+
+__all__ = [
+    "SITES_TAG", "ScalarTag", "category", "decode_name", "encode_name", "heatmap_tag", "histogram_tag",
+    "parse_scalar_tag", "printable", "scalar_tag", "scale_label",
+]
+
+PREFIX = "probe."
+#: The text summary holding the table of detected sites.
+SITES_TAG = "probe.sites"
+
+_HEAD = re.compile(r"head(\d+)")
+
+
+def scalar_tag(metric: str, scale: str, site: str, head: Optional[int] = None) -> str:
+    """``probe.{metric}/{scale}/{site}``, or ``.../head{h:02d}`` for one head (names encoded)."""
+    tag = f"{PREFIX}{metric}/{encode_name(scale)}/{encode_name(site)}"
+    return tag if head is None else f"{tag}/head{head:02d}"
+
+
+def heatmap_tag(metric: str, scale: str) -> str:
+    return f"{PREFIX}{metric}.heatmap/{encode_name(scale)}"
+
+
+def histogram_tag(metric: str, scale: str) -> str:
+    return f"{PREFIX}{metric}.hist/{encode_name(scale)}"
+
+
+def category(metric: str) -> str:
+    """The custom-scalars category of a metric (the same name as its scalar group)."""
+    return f"{PREFIX}{metric}"
+
+
+class ScalarTag(NamedTuple):
+    metric: str
+    scale: str
+    site: str
+    head: Optional[int]  # None: the head aggregate
+
+
+def parse_scalar_tag(tag: str) -> Optional[ScalarTag]:
+    """The parts of a probe scalar tag, names decoded; None for any other tag.
+
+    Also reads the tags of earlier probe versions (``probe/{metric}/{scale}/{site}[/headNN]``, names not
+    encoded: a site containing ``/`` is ambiguous there and read as written).
+    """
+    parts = tag.split("/")
+    if parts[0].startswith(PREFIX) and len(parts) in (3, 4) and "." not in parts[0][len(PREFIX):]:
+        head = None
+        if len(parts) == 4:
+            match = _HEAD.fullmatch(parts[3])
+            if not match:
+                return None
+            head = int(match.group(1))
+        return ScalarTag(parts[0][len(PREFIX):], decode_name(parts[1]), decode_name(parts[2]), head)
+    if parts[0] == "probe" and len(parts) >= 4:  # the old layout
+        rest, head = parts[3:], None
+        match = _HEAD.fullmatch(rest[-1]) if len(rest) > 1 else None
+        if match:
+            head, rest = int(match.group(1)), rest[:-1]
+        return ScalarTag(parts[1], parts[2], "/".join(rest), head)
+    return None
+
+
+def scale_label(scale: Any, d_k: Any = None) -> str:
+    """An attention scale for people: ``1/√128`` when it is ``1/sqrt(d_k)``, ``1`` unscaled,
+    else the number; ``per-head [...]`` for head-wise scales."""
+    if scale is None:
+        return "unknown"
+    if isinstance(scale, list):
+        if scale and all(abs(s - scale[0]) <= 1e-6 * abs(scale[0]) for s in scale):
+            return scale_label(scale[0], d_k)
+        return "per-head [" + ", ".join(f"{s:.4g}" for s in scale) + "]"
+    if isinstance(d_k, int) and d_k > 0 and scale > 0:
+        for root in (d_k, 2 * d_k):  # 1/sqrt(d_k); 1/sqrt(2 d_k) is DeBERTa's
+            if abs(scale * root**0.5 - 1) < 1e-5:
+                return f"1/√{root}"
+    return f"{scale:.6g}"
