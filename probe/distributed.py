@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from probe.errors import ProbeError
-from probe.stats.accumulator import State, reduction
+from probe.stats.accumulator import State, rank_reduction
 
 __all__ = ["Reducer", "combine_ranks", "pool_moments", "resolve_group"]
 
@@ -275,7 +275,7 @@ class _Plan:
         for i, (_, field, shape) in enumerate(layout):
             size = _numel(shape)
             owner += [i] * size
-            kind = reduction(field)
+            kind = rank_reduction(field)
             if kind == "moments":
                 per = size // 3  # (3, heads): rows n, mean, M2
                 for row in range(3):
@@ -318,7 +318,7 @@ def combine_ranks(field: str, values: Tensor, present: Tensor) -> Tensor:
     Sums add, maxima take the maximum, ``last`` takes the highest present rank, and moments
     ``(n, mean, M2)`` pool exactly: ``M2 = Σ M2ᵢ + Σ nᵢ (meanᵢ - mean)²`` with the pooled mean.
     """
-    kind = reduction(field)
+    kind = rank_reduction(field)
     values = values[present]
     if kind == "sum":
         return values.sum(0)

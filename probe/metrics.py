@@ -36,12 +36,15 @@ __all__ = [
 Reduction = Literal["sum", "max", "moments", "last"]
 #: How the reported value is made from the state: ``var`` = M2 / n of the moments (NaN when n
 #: is 0); ``max`` = the max (NaN when the moments' count is 0); ``per_row`` = sum / ``rows``
-#: (NaN when no row); ``root`` = sqrt of a sum of squares; ``count`` = the sum itself; ``se`` =
+#: (NaN when no row); ``root`` = sqrt of a sum of squares over the probed steps whose backward
+#: reached the site, divided by their number (the RMS over steps of the per-step norm: a run value
+#: independent of the run's length); ``count`` = the sum itself; ``se`` =
 #: sqrt(summed variance estimates) / ``rows``, the standard error of a ``per_row`` mean
 #: estimated from sampled rows (``rows=``).
 Final = Literal["var", "max", "per_row", "root", "count", "se"]
-#: How values fold: mean, max, sum, or root of the sum of squares (a norm); NaN values ignored.
-Fold = Literal["mean", "max", "sum", "rss"]
+#: How values fold: mean, max, sum, root of the sum of squares (a norm), or root mean square;
+#: NaN values ignored.
+Fold = Literal["mean", "max", "sum", "rss", "rms"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +92,9 @@ _GRAD = Colour(1e-8, 1e2, "log10", (1e-8, 1e-6, 1e-4, 1e-2, 1.0, 1e2))
 
 
 def _grad(name: str) -> MetricSpec:
-    # A norm: sums of squares add across calls, steps and ranks; reported as the root.
-    return MetricSpec(name, True, f"{name}_sq", "sum", "root", "mean", "rss", False, _GRAD, "rss")
+    # A norm: sums of squares add across calls, steps and ranks; a step reports its norm, a run
+    # the root mean square over its steps (finalize's grad_steps).
+    return MetricSpec(name, True, f"{name}_sq", "sum", "root", "mean", "rms", False, _GRAD, "rss")
 
 
 #: Every metric, in report order.
@@ -154,6 +158,8 @@ def fold(kind: Fold, values: np.ndarray) -> float:
         return float(finite.sum())
     if kind == "rss":
         return float(np.sqrt(np.square(finite).sum()))
+    if kind == "rms":
+        return float(np.sqrt(np.square(finite).mean()))
     return float(finite.mean())
 
 

@@ -23,7 +23,7 @@ from probe.once import WarnOnce
 from probe.errors import ProbeError
 from probe.options import ExtraScale, scale_value
 from probe.recompute import Recompute
-from probe.stats.accumulator import Accumulator, State
+from probe.stats.accumulator import GRAD_STEPS, Accumulator, State
 from probe.stats.functional import forward_stats
 from probe.stats.grads import grad_logits_stats, head_sq
 
@@ -175,6 +175,7 @@ class Recorder:
         self.multi: Set[str] = set()  # modules seen issuing several calls in one invocation
         self.filtered_out: Set[str] = set()
         self.window: List[int] = []  # sampled steps whose statistics sit in the accumulator
+        self._grad_step: Dict[Hashable, int] = {}  # per site, the last step whose backward was counted
         self.step = 0
         self.emitted = 0  # attention calls seen, to detect a compiled graph that hides them
         self.grad_hooks = GradHooks(self._add_grads, warn)
@@ -270,6 +271,10 @@ class Recorder:
         """Fold backward fields (called from the hooks, inside backward) into the step's state."""
         if step not in self.window:  # the window was flushed before this backward ran
             self.window.append(step)
+        if self._grad_step.get(key) != step:  # count each step once: grad_* are RMS over steps
+            self._grad_step[key] = step
+            ref = next(iter(fields.values()))
+            fields = {**fields, GRAD_STEPS: torch.ones(1, dtype=ref.dtype, device=ref.device)}
         self.acc.add(key, fields)
         info = self.infos.get(key)  # type: ignore[arg-type]
         if info is not None:

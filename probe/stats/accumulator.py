@@ -25,7 +25,12 @@ from torch import Tensor
 from probe.metrics import field_reduction
 from probe.stats.functional import combine_moments
 
-__all__ = ["Accumulator", "State", "combine", "merge_states", "reduction", "unpack"]
+__all__ = ["GRAD_STEPS", "Accumulator", "State", "combine", "merge_states", "rank_reduction", "reduction", "unpack"]
+
+#: The count of probed steps whose backward reached a site (added once per site and step by the
+#: recorder): summed over windows; across ranks the max, since ranks share step numbers. The
+#: ``grad_*`` metrics are root mean squares over these steps (probe.stats.finalize).
+GRAD_STEPS = "grad_steps"
 
 State = Dict[str, Tensor]
 Layout = List[Tuple[Hashable, str, Tuple[int, ...]]]
@@ -35,6 +40,12 @@ def reduction(field: str) -> str:
     """The reduction of a field (:func:`probe.metrics.field_reduction`): ``moments``, ``max``,
     ``last`` or ``sum``."""
     return field_reduction(field)
+
+
+def rank_reduction(field: str) -> str:
+    """How a field combines across ranks: as across calls and steps, except :data:`GRAD_STEPS`
+    (max: every rank counts the same shared steps)."""
+    return "max" if field == GRAD_STEPS else reduction(field)
 
 
 def combine(field: str, a: Tensor, b: Tensor) -> Tensor:

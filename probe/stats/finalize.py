@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from probe.metrics import METRIC_ORDER, METRICS, field_spec, head_reduce
-from probe.stats.accumulator import State
+from probe.stats.accumulator import GRAD_STEPS, State
 
 __all__ = ["HEAD_REDUCTION", "METRIC_ORDER", "finalize", "head_reduce"]
 
@@ -24,11 +24,16 @@ def finalize(state: State) -> Dict[str, Dict[str, np.ndarray]]:
     """Metric → scale → per-head values (float64 numpy), from one site's state.
 
     ``logit_var = M2 / n``; ``entropy``, ``max_prob``, ``saturation`` are means over valid rows;
-    ``*_sq`` fields are reported as their square root (``grad_logits``, ``grad_q``, ...). A
-    metric with nothing to average (no valid entry or row) is NaN, never 0.
+    a ``*_sq`` field (``grad_logits``, ``grad_q``, ...) is a sum of squares over the
+    ``grad_steps`` probed steps whose backward reached the site (a state field), reported as the root mean square
+    over those steps, ``sqrt(Σ / grad_steps)``: one step gives that step's norm, and the run
+    value does not grow with the run's length (a threshold means the same on a short and a long
+    run). A metric with nothing to average (no valid entry or row) is NaN, never 0.
     """
     out: Dict[str, Dict[str, np.ndarray]] = {}
     rows = state.get("rows")
+    counted = state.get(GRAD_STEPS)
+    grad_steps = float(counted.max()) if counted is not None else 1.0
     for field, value in state.items():
         name, _, scale = field.partition("@")
         scale = scale or "actual"
@@ -36,7 +41,7 @@ def finalize(state: State) -> Dict[str, Dict[str, np.ndarray]]:
         v = value.detach().to("cpu", torch.float64)
         if metric is None:
             if name.endswith("_sq"):  # a norm outside the catalogue
-                out.setdefault(name[: -len("_sq")], {})[scale] = v.clamp(min=0).sqrt().numpy()
+                out.setdefault(name[: -len("_sq")], {})[scale] = (v.clamp(min=0) / max(grad_steps, 1)).sqrt().numpy()
             continue
         if metric.final == "var":
             n, _, m2 = v
@@ -55,7 +60,7 @@ def finalize(state: State) -> Dict[str, Dict[str, np.ndarray]]:
             r = rows.detach().to("cpu", torch.float64)
             res = torch.where(r > 0, v.clamp(min=0).sqrt() / r.clamp(min=1), torch.nan)
         elif metric.final == "root":
-            res = v.clamp(min=0).sqrt()
+            res = (v.clamp(min=0) / max(grad_steps, 1)).sqrt()
         else:
             res = v
         out.setdefault(metric.name, {})[scale] = res.numpy()
