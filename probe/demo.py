@@ -4,22 +4,30 @@ The model is a pre-LN causal transformer that uses ``F.scaled_dot_product_attent
 projections are initialised so that q and k have unit variance, the setting of the scaling
 argument: the dot products then have variance d_k, which the divisor brings back to 1. The task
 is copying a random sequence (``a1 .. an SEP a1 .. an``), which needs attention to work.
+
+Each run writes its training loss (``loss/train``) beside probe's scalars in its own TensorBoard
+run directory; a directory that already holds a run is never written into again (``scaled-2``,
+``unscaled-2``, ... are used instead), so TensorBoard never mixes two runs' steps.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, TextIO
+from typing import Any, Dict, List, Optional, TextIO
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 import probe
+from probe.names import printable
+from probe.sinks.base import BaseSink
+from probe.stats.finalize import head_reduce
 
-__all__ = ["DemoConfig", "TinyTransformer", "copy_batch", "run_demo", "train"]
+__all__ = ["DemoConfig", "TinyTransformer", "copy_batch", "format_table", "run_demo", "train"]
 
 
 @dataclass
@@ -102,76 +110,165 @@ def copy_loss(model: nn.Module, tokens: Tensor, length: int) -> Tensor:
     return F.cross_entropy(logits[:, length:].reshape(-1, logits.shape[-1]), tokens[:, length + 1 :].reshape(-1))
 
 
-def train(config: DemoConfig, scale: Optional[float], logdir: Optional[str]) -> Dict[str, object]:
-    """Train one model under probe; returns its final loss and probe summary."""
+class _Steps(BaseSink):
+    """Keeps the flush of each probed step (the demo flushes every probed step)."""
+
+    def __init__(self) -> None:
+        self.by_step: Dict[int, probe.Summary] = {}
+
+    def write(self, step: int, summary: probe.Summary) -> None:
+        self.by_step[step] = summary
+
+
+def train(config: DemoConfig, scale: Optional[float], logdir: Optional[str]) -> Dict[str, Any]:
+    """Train one model under probe, logging its loss beside probe's scalars.
+
+    Returns:
+        ``loss`` (mean of the last 10 steps), ``first_loss``, ``summary`` (the run's
+        :class:`probe.Summary`) and ``steps`` (probed step -> that step's :class:`probe.Summary`).
+    """
     torch.manual_seed(config.seed)
     model = TinyTransformer(config, scale)
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
     gen = torch.Generator().manual_seed(config.seed + 1)
-    losses: List[float] = []
-    with probe.watch(model, logdir=logdir, every=config.every) as p:
-        for _ in range(config.steps):
-            loss = copy_loss(model, copy_batch(config, gen), config.length)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
+    losses: List[Tensor] = []
+    writer = None
+    if logdir is not None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(log_dir=logdir)
+    steps = _Steps()
+    try:
+        with probe.watch(model, logdir=writer, every=config.every, sinks=[steps]) as p:
+            for step in range(config.steps):
+                loss = copy_loss(model, copy_batch(config, gen), config.length)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+                if writer is not None:
+                    writer.add_scalar("loss/train", loss.item(), step)
+    finally:
+        if writer is not None:
+            writer.close()
     tail = torch.stack(losses[-10:]).mean().item()
-    return {"loss": tail, "first_loss": losses[0].item(), "summary": p.summary()}
+    return {"loss": tail, "first_loss": losses[0].item(), "summary": p.summary(), "steps": steps.by_step}
 
 
-def _row(summary: probe.Summary, site: str) -> Dict[str, float]:
-    entropy = summary.value(site, "entropy")
-    return {
-        "entropy": float(entropy.mean()),
-        "saturation": float(summary.value(site, "saturation").mean()),
-        "logit_max": float(summary.value(site, "logit_max").max()),
-    }
+#: Table columns: (metric, heading). Each is the head mean at the model's own scale, except
+#: ``logit_max`` (the max over heads).
+COLUMNS = (("entropy", "entropy"), ("saturation", "saturation"), ("logit_max", "max logit"),
+           ("grad_logits", "softmax grad"))
 
 
-def format_table(results: Dict[str, Dict[str, object]]) -> str:
-    """Side by side, per layer: entropy, saturation, max logit (at the model's own scale)."""
+def _cell(summary: Optional[probe.Summary], site: str, metric: str) -> float:
+    if summary is None or site not in summary.sites or metric not in summary.metrics(site):
+        return math.nan
+    return head_reduce(metric, summary.value(site, metric, "actual"))
+
+
+def _num(x: float) -> str:
+    if math.isnan(x):
+        return "-"
+    return f"{x:.3f}" if 1e-3 <= abs(x) < 1e3 or x == 0 else f"{x:.2e}"
+
+
+def _ends(result: Dict[str, Any]) -> List[int]:
+    probed = sorted(result["steps"])
+    return [probed[0], probed[-1]] if len(probed) > 1 else probed[:1]
+
+
+def format_table(results: Dict[str, Dict[str, Any]]) -> str:
+    """Per layer and run, at the first and the last probed step: entropy, saturation, max logit
+    and the softmax gradient ``grad_logits``, at the model's own scale (head mean; head max for
+    the max logit). Columns are aligned; the headings say which step each value is from."""
     names = list(results)
-    head = f"{'layer':<18}" + "".join(f"| {n:^34} " for n in names)
-    sub = f"{'':<18}" + "".join(f"| {'entropy':>9} {'saturat.':>9} {'max logit':>12} " for _ in names)
-    lines = [head, sub, "-" * len(sub)]
-    first = results[names[0]]["summary"]
-    assert isinstance(first, probe.Summary)
-    for site in first.sites:
-        cells = []
-        for n in names:
-            s = results[n]["summary"]
-            assert isinstance(s, probe.Summary)
-            r = _row(s, site)
-            cells.append(f"| {r['entropy']:>9.3f} {r['saturation']:>9.3f} {r['logit_max']:>12.1f} ")
-        lines.append(f"{site:<18}" + "".join(cells))
-    lines.append("-" * len(sub))
-    lines.append(f"{'loss (last 10)':<18}" + "".join(f"| {results[n]['loss']:>34.3f} " for n in names))
+    ends = _ends(results[names[0]])
+    sites = list(results[names[0]]["summary"].sites)
+    cell_w = 9
+    group_w = len(ends) * cell_w + (len(ends) - 1)
+    site_w = max(len("layer"), *(len(printable(s)) for s in sites))
+    run_w = max(len("run"), *(len(n) for n in names))
+    left = f"{'':<{site_w}}  {'':<{run_w}}"
+    line1 = left + "".join(f"  {heading:^{group_w}}" for _, heading in COLUMNS)
+    steps = " ".join(f"{'step ' + str(s):>{cell_w}}" for s in ends)
+    line2 = f"{'layer':<{site_w}}  {'run':<{run_w}}" + "".join(f"  {steps}" for _ in COLUMNS)
+    lines = [line1.rstrip(), line2, "-" * len(line2)]
+    for site in sites:
+        for i, name in enumerate(names):
+            by_step = results[name]["steps"]
+            cells = ["  " + " ".join(f"{_num(_cell(by_step.get(s), site, m)):>{cell_w}}" for s in ends)
+                     for m, _ in COLUMNS]
+            lines.append(f"{printable(site) if i == 0 else '':<{site_w}}  {name:<{run_w}}" + "".join(cells))
     return "\n".join(lines)
 
 
-def run_demo(steps: int = 200, logdir: str = "runs/demo", out: Optional[TextIO] = None, seed: int = 0) -> Dict[str, Dict[str, object]]:
+def _mean_over_sites(result: Dict[str, Any], step: int, metric: str) -> float:
+    summary = result["steps"].get(step)
+    values = [_cell(summary, site, metric) for site in (summary.sites if summary else [])]
+    values = [v for v in values if not math.isnan(v)]
+    return sum(values) / len(values) if values else math.nan
+
+
+def reading(results: Dict[str, Dict[str, Any]], d_k: int) -> str:
+    """One line that reads the difference between the runs, from the numbers (not a script)."""
+    scaled, unscaled = results["scaled"], results["unscaled"]
+    first = _ends(scaled)[0]
+    e_s, e_u = (_mean_over_sites(r, first, "entropy") for r in (scaled, unscaled))
+    s_s, s_u = (_mean_over_sites(r, first, "saturation") for r in (scaled, unscaled))
+    g_s, g_u = (_mean_over_sites(r, first, "grad_logits") for r in (scaled, unscaled))
+    if g_u < g_s / 2:
+        grad = f"the softmax passes back {g_s / g_u:.0f}x less gradient"
+    else:
+        grad = f"the softmax gradient is {_num(g_u)} against {_num(g_s)}, not smaller yet"
+    return (f"Reading: at step {first}, before any learning, attention entropy is {e_u:.2f} without 1/√{d_k} "
+            f"and {e_s:.2f} with it, {s_u:.0%} of rows are saturated against {s_s:.0%}, and {grad}; "
+            f"loss {unscaled['first_loss']:.2f} -> {unscaled['loss']:.2f} without the divisor, "
+            f"{scaled['first_loss']:.2f} -> {scaled['loss']:.2f} with it.")
+
+
+def _fresh_dirs(logdir: str, names: List[str]) -> List[str]:
+    """``logdir/name`` for each name, or ``logdir/name-N`` with the smallest N free for all of them:
+    a new run never writes into a directory that holds an earlier one."""
+    def taken(path: str) -> bool:
+        return os.path.exists(path) and (not os.path.isdir(path) or bool(os.listdir(path)))
+
+    suffix, n = "", 1
+    while any(taken(os.path.join(logdir, name + suffix)) for name in names):
+        n += 1
+        suffix = f"-{n}"
+    return [os.path.join(logdir, name + suffix) for name in names]
+
+
+def run_demo(steps: int = 200, logdir: str = "runs/demo", out: Optional[TextIO] = None, seed: int = 0) -> Dict[str, Dict[str, Any]]:
     """Train the demo model with standard scaling and without, print the comparison."""
     import sys
 
     out = out or sys.stdout
     config = DemoConfig(steps=steps, seed=seed)
     d_k = config.d_model // config.heads
-    print(
-        f"probe demo: copy task, {config.layers} layers, {config.heads} heads, d_k = {d_k}, "
-        f"{steps} steps per run, probing every {config.every}",
-        file=out,
-    )
-    results: Dict[str, Dict[str, object]] = {}
-    for name, scale in (("scaled", None), ("unscaled", 1.0)):
+    probed = len(range(0, steps, config.every))
+    print(f"probe demo: copy task, {config.layers} layers, {config.heads} heads, d_k = {d_k}, {steps} steps per run, "
+          f"probing every {config.every}th ({probed} probed steps)", file=out)
+    runs = [("scaled", None), ("unscaled", 1.0)]
+    dirs = _fresh_dirs(logdir, [name for name, _ in runs])
+    if dirs[0] != os.path.join(logdir, "scaled"):
+        print(f"  {logdir} already holds a demo run: this one goes to {dirs[0]} and {dirs[1]} "
+              f"(TensorBoard shows both; delete the older ones to see only this)", file=out)
+    results: Dict[str, Dict[str, Any]] = {}
+    for (name, scale), folder in zip(runs, dirs):
         start = time.perf_counter()
-        results[name] = train(config, scale, os.path.join(logdir, name))
-        label = f"1/sqrt({d_k})" if scale is None else "1 (no divisor)"
+        results[name] = train(config, scale, folder)
+        label = f"1/√{d_k}" if scale is None else "1 (no divisor)"
         print(f"  {name:<9} scale {label:<15} loss {results[name]['first_loss']:.3f} -> "
-              f"{results[name]['loss']:.3f}  ({time.perf_counter() - start:.1f} s)", file=out)
+              f"{results[name]['loss']:.3f} (mean of the last 10 steps)  "
+              f"{time.perf_counter() - start:.1f} s  -> {folder}", file=out)
     print("", file=out)
+    print("Per layer, at the model's own scale, at the first and the last probed step: head mean "
+          "(max logit: head max; softmax grad: |dL/dlogits|, see docs/gradients.md)", file=out)
     print(format_table(results), file=out)
     print("", file=out)
-    print(f"Without the divisor the logits have variance ~d_k = {d_k} instead of ~1: the softmax saturates.", file=out)
-    print(f"See it in TensorBoard:  tensorboard --logdir {logdir}", file=out)
+    print(reading(results, d_k), file=out)
+    print(f"See it in TensorBoard:  tensorboard --logdir {logdir} --samples_per_plugin images=100", file=out)
+    print(f"Judge it as CI would:   probe check {logdir}", file=out)
     return results

@@ -24,6 +24,32 @@ def test_demo_shows_saturation_without_scaling(tmp_path):
         files = os.listdir(tmp_path / run)
         assert "probe_summary.json" in files and any(f.startswith("events.out.tfevents") for f in files)
         assert probe.Summary.load(tmp_path / run).sites == ["blocks.0.attn", "blocks.1.attn"]
+    # the table: first and last probed step (0 and 20), one aligned row per layer and run
+    lines = text.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("layer"))
+    assert lines[header].split()[2:6] == ["step", "0", "step", "20"]
+    rows = lines[header + 2: header + 6]
+    assert [r.split()[0] for r in rows[::2]] == ["blocks.0.attn", "blocks.1.attn"]
+    assert len({len(r) for r in rows}) == 1  # aligned
+    step0 = results["unscaled"]["steps"][0]
+    assert f"{step0.value('blocks.0.attn', 'entropy').mean():.3f}" in rows[1]
+    assert "Reading: at step 0" in text
+
+
+def test_demo_logs_loss_and_never_mixes_runs(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_demo(steps=3, logdir=str(tmp_path), out=io.StringIO())
+    out = io.StringIO()
+    run_demo(steps=3, logdir=str(tmp_path), out=out)
+    assert sorted(os.listdir(tmp_path)) == ["scaled", "scaled-2", "unscaled", "unscaled-2"]
+    assert "already holds a demo run" in out.getvalue()
+    for run in os.listdir(tmp_path):
+        assert len([f for f in os.listdir(tmp_path / run) if f.startswith("events.out")]) == 1
+        acc = EventAccumulator(str(tmp_path / run))
+        acc.Reload()
+        assert [e.step for e in acc.Scalars("loss/train")] == [0, 1, 2]  # loss beside probe's scalars
+        assert [e.step for e in acc.Scalars("probe.entropy/actual/blocks.0.attn")] == [0]
 
 
 def test_cli_demo_and_usage_errors(tmp_path):
