@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"probe {__version__} (attention-probe)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser("demo", help="train a small transformer with and without scaling, log to TensorBoard")
-    demo.add_argument("--steps", type=positive_int, default=200, help="training steps per run (default 200)")
+    demo.add_argument("--steps", type=positive_int, default=100, help="training steps per run (default 100)")
     demo.add_argument("--logdir", default="runs/demo", help="TensorBoard directory (default runs/demo)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_cmd_demo)
