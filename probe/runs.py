@@ -6,7 +6,8 @@ below it is found (``runs/demo`` holds ``runs/demo/scaled`` and ``runs/demo/unsc
 
 The summary holds run totals only. The event files hold one value per probed step and tag (head
 aggregates, or each head with ``per_head=True``): they are what a step window (``--last N``,
-``--steps A:B``) is read from, folded over the window's steps by :func:`step_reduce`.
+``--steps A:B``) is read from, folded over the window's steps as the metric catalogue says (:func:`probe.metrics.step_reduce`: max for
+``logit_max``, sum for ``nonfinite``, root mean square for ``grad_*``, mean otherwise).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from probe.errors import ProbeError
+from probe.metrics import step_reduce
 from probe.sinks.tags import parse_scalar_tag
 from probe.summary import SUMMARY_FILE, Summary
 
-__all__ = ["EVENTS", "StepWindow", "find_runs", "load_run", "step_reduce", "summary_from_events"]
+__all__ = ["EVENTS", "StepWindow", "find_runs", "load_run", "summary_from_events"]
 
 EVENTS = "events.out.tfevents"
 _STAMP = re.compile(re.escape(EVENTS) + r"\.(\d+)")
@@ -49,25 +51,6 @@ class StepWindow:
         if self.last is not None:
             return f"the last {self.last} probed steps"
         return f"steps {'' if self.start is None else self.start}..{'' if self.stop is None else self.stop}"
-
-
-def step_reduce(metric: str, values: np.ndarray) -> float:
-    """Fold one tag's per-step values over steps the way the summary folds steps (NaN ignored).
-
-    ``logit_max``: max; ``nonfinite``: sum; ``grad_*``: root-mean-square over the steps that had a
-    backward pass (steps without one write no gradient scalar); the rest: the mean of per-step
-    values, which equals the summary's row-weighted mean when every step has as many rows.
-    """
-    finite = values[~np.isnan(values)]
-    if finite.size == 0:
-        return math.nan
-    if metric == "logit_max":
-        return float(finite.max())
-    if metric == "nonfinite":
-        return float(finite.sum())
-    if metric.startswith("grad"):
-        return float(np.sqrt(np.square(finite).mean()))
-    return float(finite.mean())
 
 
 def _event_files(path: str) -> List[str]:

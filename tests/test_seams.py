@@ -121,7 +121,7 @@ def test_head_and_step_folds_ignore_nan():
     assert head_reduce("entropy", values) == 2.0
     assert head_reduce("logit_max", values) == 3.0
     assert head_reduce("nonfinite", values) == 4.0
-    assert step_reduce("grad_q", values) == pytest.approx(math.sqrt(10.0))
+    assert step_reduce("grad_q", values) == pytest.approx(math.sqrt(10.0 / 2))  # RMS over steps
     assert math.isnan(head_reduce("entropy", np.array([np.nan])))
 
 
