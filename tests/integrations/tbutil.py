@@ -16,7 +16,7 @@ def scalars(run_dir: str) -> Dict[str, List[int]]:
 
 def probe_steps(tags: Dict[str, List[int]]) -> List[int]:
     """The steps at which probe wrote its scalars (the same for every probe tag)."""
-    steps = {tuple(v) for k, v in tags.items() if k.startswith("probe/")}
+    steps = {tuple(v) for k, v in tags.items() if k.startswith("probe.")}
     assert len(steps) == 1, steps
     return list(steps.pop())
 
