@@ -371,8 +371,11 @@ class Probe:
             flat, layout = rec.acc.pack()
             pending = pending_states(flat, layout, {key: rec.site_name(key) for key, _, _ in layout})
         infos = {rec.site_name(key): info for key, info in rec.info_dicts().items()} if local else {}
-        steps = len(self._probed_steps | (set(self._window) if local else set()))
-        return self._results.summary(pending, infos, steps, self._meta())
+        probed = self._probed_steps | (set(self._window) if local else set())
+        meta = self._meta()
+        if probed:  # which steps the values come from (probe check / report say so)
+            meta.update(first_step=min(probed), last_step=max(probed))
+        return self._results.summary(pending, infos, len(probed), meta)
 
     def _meta(self) -> Dict[str, Any]:
         return {"every": self.every, "saturation": self.saturation, "scales": list(BUILTIN_SCALES) + list(self.extra_scales)}
