@@ -21,7 +21,7 @@ from probe.forward_guard import ForwardFrame, RootHook
 from probe.once import WarnOnce
 from probe.options import BUILTIN_SCALES, ExtraScale, check_int, check_scales, check_seconds, tensorboard_sink
 from probe.recorder import Recorder
-from probe.results import Results, pending_states
+from probe.results import Results, pending_states, step_ends
 from probe.schedule import Action, Schedule
 from probe.sinks.base import Sink
 from probe.sinks.writer import Window, Writer, to_host
@@ -371,11 +371,8 @@ class Probe:
             flat, layout = rec.acc.pack()
             pending = pending_states(flat, layout, {key: rec.site_name(key) for key, _, _ in layout})
         infos = {rec.site_name(key): info for key, info in rec.info_dicts().items()} if local else {}
-        probed = self._probed_steps | (set(self._window) if local else set())
-        meta = self._meta()
-        if probed:  # which steps the values come from (probe check / report say so)
-            meta.update(first_step=min(probed), last_step=max(probed))
-        return self._results.summary(pending, infos, len(probed), meta)
+        probed = self._probed_steps | (set(self._window) if local else set())  # meta: which steps (for the CLI)
+        return self._results.summary(pending, infos, len(probed), {**self._meta(), **step_ends(probed)})
 
     def _meta(self) -> Dict[str, Any]:
         return {"every": self.every, "saturation": self.saturation, "scales": list(BUILTIN_SCALES) + list(self.extra_scales)}

@@ -9,7 +9,7 @@ state not flushed yet.
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Hashable, Mapping, Optional
+from typing import Any, Dict, Hashable, Iterable, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -18,7 +18,7 @@ from probe.stats.accumulator import State, merge_states, unpack
 from probe.stats.finalize import finalize
 from probe.summary import Summary
 
-__all__ = ["Results", "pending_states"]
+__all__ = ["Results", "pending_states", "step_ends"]
 
 Info = Dict[str, Any]
 
@@ -88,3 +88,9 @@ def pending_states(flat: Tensor, layout: Any, names: Mapping[Hashable, str]) -> 
         out[names[key]] = state
     return out
 
+
+def step_ends(probed: Iterable[int]) -> Dict[str, int]:
+    """``first_step`` / ``last_step`` of the probed steps, for ``Summary.meta`` (the CLI says which
+    steps a value comes from); empty when nothing was probed."""
+    steps = sorted(probed)
+    return {"first_step": steps[0], "last_step": steps[-1]} if steps else {}
