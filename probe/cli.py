@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any, List, Optional, TextIO
 
-from probe.cli_check import positive_int
+from probe.cli_check import int_at_least, positive_int
 from probe.cli_check import add_commands as add_check_commands
 from probe.exit_codes import ExitCode
 
@@ -30,14 +30,7 @@ def _cli_scale(text: str) -> Any:
         return text
 
 
-def _zero_or_more(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
-    return value
+_zero_or_more = int_at_least(0, "an int >= 0")
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:

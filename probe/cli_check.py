@@ -217,14 +217,22 @@ def _step_range(text: str) -> StepWindow:
     return StepWindow(start=lo, stop=hi)
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
-    return value
+def int_at_least(minimum: int, what: str):
+    """An argparse type: an int >= ``minimum``; ``what`` names it in the error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1, "a positive int")
 
 
 def _add_window(cmd: argparse.ArgumentParser) -> None:
