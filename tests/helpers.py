@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import socket
 from typing import Dict, Optional
 
 import numpy as np
@@ -139,3 +140,10 @@ def reference_metrics(
             out["max_prob"][h] = np.mean(maxp)
             out["saturation"][h] = np.mean(sat)
     return out
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a multi-process rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

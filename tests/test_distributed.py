@@ -9,7 +9,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 from typing import Any, Dict
@@ -24,23 +23,18 @@ from probe.capture.mode import site_names
 from probe.distributed import combine_ranks, resolve_group
 from probe.stats.functional import combine_moments
 from tests import distributed_worker as worker
+from tests.helpers import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 150
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> Dict[str, Any]:
     """Run both ranks once for every test here; kill them if they outlive the timeout."""
     outdir = str(tmp_path_factory.mktemp("dist"))
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen(

@@ -9,11 +9,12 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from tests.helpers import free_port
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
@@ -22,16 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("accelerate"))
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(WORLD):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
