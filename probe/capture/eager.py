@@ -179,18 +179,25 @@ class EagerFrontEnd(Products, FrontEnd):
             return
         node, i = self._scores(args[0], args[1])
         if node is None:
-            self._keep_probs(args, out)
+            if not self._keep_probs(args, out):
+                self._linear_sum(func, args, kwargs, out)
             return
         alpha = kwargs.get("alpha", 1)
-        if i == 1 and alpha != 1:  # a + alpha * scores
+        if isinstance(self._get(args[1 - i]), Scores) or (i == 1 and alpha != 1):
+            # scores plus a function of themselves (talking heads: ``s + conv1x1(s)``) scale with σ
+            # too, so they are no fixed bias; a + alpha * scores
             self._set(out, dataclasses.replace(node, unknown=True))
             return
         self._add_bias(out, node, args[1 - i], alpha if i == 0 else 1)
 
     def _on_sub(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
         node = self._get(args[0]) if args else None
-        if isinstance(node, Scores) and len(args) > 1:
+        if isinstance(node, Scores) and len(args) > 1 and isinstance(self._get(args[1]), Scores):
+            self._set(out, dataclasses.replace(node, unknown=True))
+        elif isinstance(node, Scores) and len(args) > 1:
             self._add_bias(out, node, args[1], -kwargs.get("alpha", 1) if number(kwargs.get("alpha", 1)) else None)
+        elif node is None:
+            self._linear_sum(func, args, kwargs, out)
 
     def _mask(self, out: Any, node: Scores, mask: Any, invert: bool, fill: Any) -> None:
         ok = isinstance(mask, Tensor) and mask.dtype == torch.bool and not node.unknown
@@ -253,6 +260,9 @@ class EagerFrontEnd(Products, FrontEnd):
             record = self._get(args[0])
             # dropout changes values: only the probabilities on their way to P @ v keep theirs
             kinds = (Pending,) if func in (F.dropout, torch.dropout) else (Scores, Pending, Meta)
+            if isinstance(record, Meta) and record.base is not None and out is not args[0]:
+                # a prescaled q or k cast: its base is cast alike (the factor then meets tensors of out's dtype)
+                record = dataclasses.replace(record, base=func(record.base, *args[1:], **kwargs))
             if isinstance(record, kinds):
                 self._set(out, record)
 

@@ -137,7 +137,11 @@ class Products:
                 v = self._unrepeated(heads_of(b, probs.merged))
                 probs.fire(v, heads_of(out, probs.merged), grad_map(b, v))
             return
-        self._set(out, self._start(a, b, out))
+        node = self._start(a, b, out)
+        mixed = next((r for r in map(self._get, (a, b)) if isinstance(r, Scores)), None)
+        if node is None and mixed is not None:  # scores times a matrix (heads or keys mixed)
+            node = dataclasses.replace(mixed, unknown=True)
+        self._set(out, node)
 
     def _on_baddbmm(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
         bound = {**dict(zip(("input", "batch1", "batch2"), args)), **kwargs}  # any binding of the arguments
@@ -169,6 +173,9 @@ class Products:
             return
         roles = qk_roles(sx, sy, res)
         if roles is None:
+            mixed = next((r for r in map(self._get, (x, y)) if isinstance(r, Scores)), None)
+            if mixed is not None:  # scores mixed by a weight (talking heads): not describable
+                self._set(out, dataclasses.replace(mixed, unknown=True))
             return
         to_q, to_k = [sx.index(c) for c in roles[0]], [sy.index(c) for c in roles[1]]
         q, k = permuted(x, to_q), permuted(y, to_k)
@@ -205,8 +212,13 @@ class Products:
             return
         f, f_t = prescale_factor(s, how == "divided by")
         if f is None and f_t is None:
+            self._linear_in(a, b, out, how)
+            if how == "multiplied by" and self._get(out) is None:
+                self._linear_in(b, a, out, how)
             return
         meta = self._get(x)
+        if f == 1.0 and f_t is None and not isinstance(meta, Meta):
+            return  # ``t * 1.0``: nothing to take into the scale
         base, old, old_t, text = x, 1.0, None, ""
         if isinstance(meta, Meta) and meta.base is not None:
             base, old, old_t, text = meta.base, meta.factor, meta.factor_t, meta.how + " and "
@@ -217,6 +229,69 @@ class Products:
         merged = meta.merged if isinstance(meta, Meta) else None
         self._set(out, Meta(base=base, factor=old * (f if f is not None else 1.0), factor_t=f_t, merged=merged,
                             how=f"{text}{how} {shown}"))
+
+    # -- ops linear in a prescaled q or k: the factor still applies (rotary after ``q * s``) ----------
+    def _linear_in(self, x: Tensor, m: Any, out: Tensor, how: str) -> None:
+        """``x * m`` or ``x / m`` with ``x = base * f`` and ``m`` a tensor that varies along the
+        features (a rotary ``cos`` / ``sin``, a gain): ``out = (base * m) * f``. A multiplier
+        constant along the features (``x * rsqrt(mean(x²))``, ``x / x.norm(dim=-1,
+        keepdim=True)``) may be a norm of ``x`` itself, which removes the factor: not followed."""
+        meta = self._get(x)
+        if not (isinstance(meta, Meta) and meta.base is not None and isinstance(m, Tensor)
+                and isinstance(x, Tensor)):
+            return
+        if m.dim() == 0 or m.shape[-1] != x.shape[-1] or x.shape[-1] < 2 or not m.is_floating_point():
+            return
+        other = self._get(m)
+        if isinstance(other, Meta) and other.base is not None:  # both prescaled: the factors multiply
+            if how != "multiplied by" or meta.factor_t is not None or other.factor_t is not None:
+                return
+            self._set(out, Meta(base=meta.base * other.base, factor=meta.factor * other.factor,
+                                how=" and ".join(h for h in (meta.how, other.how) if h)))
+            return
+        base = meta.base * m if how == "multiplied by" else meta.base / m
+        self._set(out, dataclasses.replace(meta, base=base, src=None, whole=None, kv=None))
+
+    def _linear_sum(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
+        """``a + b`` / ``a - b`` of two prescaled tensors with one factor (the two halves of a
+        rotary embedding); a number or an unscaled tensor added is not linear in the factor."""
+        if len(args) == 2 and all(isinstance(a, Tensor) for a in args):
+            self._on_linear(func, args, kwargs, out, None)
+
+    def _on_linear(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
+        """An op linear in every tensor it takes (slicing, a permutation, ``neg``, ``cat`` /
+        ``stack`` of tensors sharing one factor, ``unbind`` / ``chunk`` / ``split``): when each is
+        a prescaled ``base * f`` with the same ``f``, the op is replayed on the bases, so a factor
+        applied to q or k before a rotary embedding is still taken into the scale (ESM,
+        rotary-embedding-torch)."""
+        metas = []
+
+        def sub(a: Any) -> Any:
+            if isinstance(a, Tensor):
+                meta = self._get(a)
+                if not (isinstance(meta, Meta) and meta.base is not None):
+                    raise LookupError
+                metas.append(meta)
+                return meta.base
+            if isinstance(a, (list, tuple)) and any(isinstance(t, Tensor) for t in a):
+                return type(a)(sub(t) for t in a)
+            return a
+
+        first = self._get(args[0]) if args else None
+        if not (isinstance(first, Meta) and first.base is not None) and not (
+                args and isinstance(args[0], (list, tuple)) and args[0] and isinstance(self._get(args[0][0]), Meta)):
+            return  # the common case, without building anything
+        try:
+            bases = func(*(sub(a) for a in args), **kwargs)
+        except LookupError:
+            return  # a tensor without the factor: not linear in the factor
+        if len({(m.factor, id(m.factor_t)) for m in metas}) != 1:
+            return
+        meta = dataclasses.replace(metas[0], src=None, whole=None, kv=None)
+        outs, bases = (out, bases) if isinstance(out, (list, tuple)) else ((out,), (bases,))
+        for o, b in zip(outs, bases):
+            if isinstance(o, Tensor) and isinstance(b, Tensor):
+                self._set(o, dataclasses.replace(meta, base=b))
 
     def _on_div(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
         node = self._get(args[0]) if args else None

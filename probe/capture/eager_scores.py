@@ -121,8 +121,10 @@ def handler_names() -> Dict[Callable[..., Any], str]:
         ("tanh", (torch.tanh,), "_on_tanh"),
         ("float to type type_as contiguous half bfloat16 double", (F.dropout, torch.dropout), "_on_cast"),
         ("view reshape transpose", (torch.reshape, torch.transpose), "_on_view"),
+        ("__getitem__ neg __neg__ permute unsqueeze squeeze flatten unflatten unbind chunk split",
+         (torch.neg, torch.cat, torch.stack, torch.permute, torch.unbind, torch.chunk, torch.split), "_on_linear"),
         ("clamp clamp_ clamp_min maximum", (torch.clamp, torch.clamp_min, torch.max, torch.maximum), "_on_floor"),
-        ("__rsub__ __rdiv__", (), "_on_other"),
+        ("__rsub__ __rdiv__", (F.conv1d, F.conv2d, F.linear, torch.conv1d, torch.conv2d), "_on_other"),
         ("softmax", (torch.softmax, F.softmax), "_on_softmax"),
     ):
         methods = [getattr(cls, n) for n in names.split() for cls in (torch._C.TensorBase, Tensor) if hasattr(cls, n)]
