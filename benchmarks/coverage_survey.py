@@ -360,7 +360,7 @@ def check(name: str, build: Callable[[], Tuple[nn.Module, tuple, dict]], expecte
         except Exception as err:  # noqa: BLE001
             print(f"{name}: FAILED ({type(err).__name__}: {str(err)[:200]})")
             return {"name": name, "sites": 0, "bad": 1, "silent": 1, "problems": ["coverage failed"], "scales": {}}
-    warned = " ".join(str(w.message) for w in caught if "probe" in str(w.message))
+    warned = _watch_warnings(model, args, kwargs)
     problems, silent, scales = [], 0, {}
     for row in report.rows:
         issue = []
@@ -393,6 +393,21 @@ def check(name: str, build: Callable[[], Tuple[nn.Module, tuple, dict]], expecte
         for p in problems:
             print(f"    {p}")
     return result
+
+
+def _watch_warnings(model: nn.Module, args: tuple, kwargs: dict) -> str:
+    """What ``probe.watch`` itself says on one forward (its first-forward audit warns about every
+    attention it misses or misnames): a problem a warning names is loud, any other is silent."""
+    import probe
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with probe.watch(model):
+                model(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001
+            return f"watch failed: {type(err).__name__}: {err}"
+    return " ".join(str(w.message) for w in caught if "probe" in str(w.message))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
