@@ -138,6 +138,10 @@ class EagerFrontEnd(Products, FrontEnd):
         # A softmax whose probabilities never met a product with v is emitted without v.
         pending, self._pending = self._pending, []
         for p in pending:
+            if not p.done and isinstance(p.key, tuple) and p.key:
+                self._warn_once(f"no v:{p.key[0]}", f"probe: the attention probabilities at site {p.key[0]!r} never "
+                                "met their product with v (an op probe does not follow changed them after the "
+                                "softmax): grad_v is not measured there", stacklevel=2)
             p.fire()
 
     # -- the provenance table --------------------------------------------------------------------

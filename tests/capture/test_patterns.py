@@ -347,3 +347,18 @@ def test_a5_talking_heads_are_never_taken_for_a_bias() -> None:
     assert s.info("blocks.0")["scale"] is None
     assert any("blocks.0" in w and "`actual` only" in w for w in warned), warned
     np.testing.assert_allclose(s.value("blocks.0", "entropy"), entropy_ref(net.blocks[0].probs), rtol=1e-5)
+
+
+# -- D: probabilities changed after the softmax by an op probe does not follow (DeepViT) -------------
+def core_reattention(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    p = keep(m, (q @ k.transpose(-1, -2) * S0).softmax(-1))
+    p = torch.einsum("bhij,hg->bgij", p, torch.eye(H) + 0.1)  # re-attention: heads mixed after the softmax
+    p = F.layer_norm(p.permute(0, 2, 3, 1), (H,)).permute(0, 3, 1, 2)  # ... then normalised over the heads
+    return p @ v
+
+
+def test_d_probabilities_lost_after_the_softmax_warn_that_grad_v_is_missing() -> None:
+    net, s, warned = run(core_reattention)
+    check(net, s, S0, grads=False)
+    assert "grad_v" not in s.metrics("blocks.0")
+    assert any("blocks.0" in w and "grad_v is not measured" in w for w in warned), warned
