@@ -4,6 +4,12 @@ third-party code? (issue 17; kept apart from README's test command.)
     PYTHONPATH=. python benchmarks/coverage_survey.py [--only hf,thirdparty,timm] [--quiet]
     /work/timm-venv/bin/python benchmarks/coverage_survey.py --only timm     # real timm
 
+docs/models.md's support table is written from the JSON results of both environments:
+
+    PYTHONPATH=. python benchmarks/coverage_survey.py --only hf,thirdparty --json /tmp/sys.json
+    PYTHONPATH=. /work/timm-venv/bin/python benchmarks/coverage_survey.py --only thirdparty,timm --json /tmp/timm.json
+    python benchmarks/coverage_survey.py --docs docs/models.md /tmp/sys.json /tmp/timm.json
+
 Models: Hugging Face architectures from tiny random configs (eager and sdpa), third-party
 configurations (x-transformers, rotary-embedding-torch, nanoGPT / minGPT written from their
 published code, vit-pytorch when importable) and real timm models (fused and eager paths). A
@@ -353,6 +359,12 @@ def check(name: str, build: Callable[[], Tuple[nn.Module, tuple, dict]], expecte
     except Exception as err:  # noqa: BLE001 - a config this library version does not take
         print(f"{name}: skipped (could not build: {type(err).__name__}: {str(err)[:100]})")
         return None
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - the model itself fails with this library version
+        print(f"{name}: skipped (its own forward raised {type(err).__name__}: {str(err)[:100]})")
+        return None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -415,8 +427,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--only", default="hf,thirdparty,timm")
     parser.add_argument("--match", default="", help="only cases whose name contains this")
     parser.add_argument("--quiet", action="store_true")
-    parser.add_argument("--markdown", action="store_true", help="also print one table row per run (docs/models.md)")
+    parser.add_argument("--markdown", action="store_true", help="also print one table row per run")
+    parser.add_argument("--json", metavar="PATH", help="also write the results (and library versions) as JSON")
+    parser.add_argument("--docs", nargs="+", metavar=("MODELS_MD", "RESULTS_JSON"),
+                        help="write the support table of MODELS_MD (docs/models.md) from results JSON files, run nothing")
     args = parser.parse_args(argv)
+    if args.docs:
+        write_docs(args.docs[0], args.docs[1:])
+        return 0
     groups = args.only.split(",")
     sources: List[Tuple[str, Callable[[], Iterator[Case]]]] = [("hf", hf_cases), ("thirdparty", thirdparty_cases),
                                                                ("timm", timm_cases)]
@@ -444,12 +462,103 @@ def main(argv: Optional[List[str]] = None) -> int:
                 problems = "; ".join(p.replace(" (silent)", "") for p in r["problems"]) or "-"
                 print(f"| {r['name']} | {r.get('captured', 0)} of {r['sites']} | {', '.join(r.get('front_ends', []))} | "
                       f"{', '.join(r.get('grads', [])) or '-'} | {problems} |")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"versions": versions(), "results": results}, f, indent=1, default=str)
     print("\n| group | runs | runs with a problem | runs silently wrong | sites | sites with a problem | silent |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for group, rs in results.items():
         print(f"| {group} | {len(rs)} | {sum(r['bad'] > 0 for r in rs)} | {sum(r['silent'] > 0 for r in rs)} | "
               f"{sum(r['sites'] for r in rs)} | {sum(r['bad'] for r in rs)} | {sum(r['silent'] for r in rs)} |")
     return 0
+
+
+def versions() -> Dict[str, str]:
+    """The versions of the libraries the survey ran against (those importable here)."""
+    import importlib
+    import platform
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "timm", "x_transformers", "vit_pytorch", "rotary_embedding_torch"):
+        try:
+            mod = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - not installed here
+            continue
+        version = getattr(mod, "__version__", None)
+        if version is None:
+            from importlib.metadata import PackageNotFoundError, version as dist_version
+
+            try:
+                version = dist_version(name.replace("_", "-"))
+            except PackageNotFoundError:
+                version = "?"
+        out[name] = str(version)
+    return out
+
+
+_START, _END = "<!-- support table: start -->", "<!-- support table: end -->"
+_LIBRARY = {"hf": "Hugging Face transformers", "timm": "timm", "nanogpt": "nanoGPT / minGPT style (written here)",
+            "rotary": "rotary-embedding-torch", "x-transformers": "x-transformers", "vit-pytorch": "vit-pytorch"}
+
+
+def write_docs(path: str, json_paths: List[str]) -> None:
+    """Replace the support table of ``path`` (between its two marker lines) with one row per model
+    from the survey's JSON results: variants run, sites captured, front ends, scales, gradient
+    metrics, and what is not measured (each with probe's warning)."""
+    import json
+
+    runs: Dict[str, Dict[str, Any]] = {}
+    used: List[Dict[str, str]] = []
+    for jp in json_paths:
+        with open(jp) as f:
+            data = json.load(f)
+        used.append(data["versions"])
+        for rs in data["results"].values():
+            for r in rs:
+                runs[r["name"]] = r  # a case run under two environments: the later file wins
+    models: Dict[str, List[Dict[str, Any]]] = {}
+    for name, r in runs.items():
+        parts = name.split("/")
+        key = "/".join(parts[:2]) if parts[0] in ("hf", "timm", "rotary", "nanogpt") else name
+        models.setdefault(key, []).append(r)
+    lines = [_START, "",
+             "| library | model / configuration | variants | sites captured | front end | scale reported | "
+             "gradient metrics | not measured (each warned) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key, rs in models.items():
+        group, _, model = key.partition("/")
+        variants = ", ".join(r["name"][len(key) + 1:] or "-" for r in rs) if any(
+            r["name"] != key for r in rs) else "-"
+        captured = ", ".join(f"{r.get('captured', 0)} of {r['sites']}" for r in rs)
+        fronts = ", ".join(sorted({f for r in rs for f in r.get("front_ends", [])})) or "-"
+        scales = sorted({_fmt(v) for r in rs for v in r.get("scales", {}).values()})
+        grads = sorted({g for r in rs for g in r.get("grads", [])}, key=("logits", "q", "k", "v").index)
+        problems = sorted({p.split(": ", 1)[1].replace(" (silent)", " (SILENT)") for r in rs for p in r["problems"]})
+        lines.append(f"| {_LIBRARY.get(group, group)} | {model or key} | {variants} | {captured} | {fronts} | "
+                     f"{', '.join(scales) or '-'} | {', '.join(grads) or '-'} | {'; '.join(problems) or '-'} |")
+    versions_text = "; ".join(", ".join(f"{k} {v}" for k, v in u.items()) for u in used)
+    lines += ["", f"Generated by `benchmarks/coverage_survey.py --docs` from {len(runs)} runs "
+              f"({sum(r['sites'] for r in runs.values())} attention sites) with: {versions_text}.", "", _END]
+    with open(path) as f:
+        text = f.read()
+    if _START not in text or _END not in text:
+        raise SystemExit(f"{path} has no support table markers ({_START} ... {_END})")
+    head, rest = text.split(_START, 1)
+    _, tail = rest.split(_END, 1)
+    with open(path, "w") as f:
+        f.write(head + "\n".join(lines) + tail)
+    print(f"wrote {len(models)} rows to {path}")
+
+
+def _fmt(scale: Any) -> str:
+    if scale is None:
+        return "unknown"
+    if isinstance(scale, list):
+        values = sorted({round(float(v), 4) for v in scale})
+        return f"{values[0]:.4g}" if len(values) == 1 else f"per head {values[0]:.4g}..{values[-1]:.4g}"
+    return f"{float(scale):.4g}"
 
 
 def _hf_parity(rs: List[Dict[str, Any]]) -> None:
