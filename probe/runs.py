@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -25,7 +26,7 @@ from probe.metrics import step_reduce
 from probe.sinks.tags import parse_scalar_tag
 from probe.summary import SUMMARY_FILE, Summary
 
-__all__ = ["EVENTS", "StepWindow", "find_runs", "load_run", "summary_from_events"]
+__all__ = ["EVENTS", "ContinueRun", "StepWindow", "find_runs", "fresh_logdir", "load_run", "summary_from_events"]
 
 EVENTS = "events.out.tfevents"
 _STAMP = re.compile(re.escape(EVENTS) + r"\.(\d+)")
@@ -175,6 +176,34 @@ def find_runs(path: str) -> List[str]:
     if not runs:
         raise ProbeError(f"expected {SUMMARY_FILE} or TensorBoard event files in {path!r} or below it, found neither")
     return runs
+
+
+class ContinueRun(str):
+    """A logdir path that :func:`fresh_logdir` leaves as it is, even when it holds an earlier run.
+
+    The trainer integrations pass their trainer's directory this way: the trainer chose it and
+    numbers the steps, and a resumed training continues its run there.
+    """
+
+
+def fresh_logdir(path: str) -> str:
+    """Where a new run given ``logdir=path`` writes: ``path``, unless it holds an earlier probe run
+    (its ``probe_summary.json``); then ``path-2``, ``path-3``, ..., the first that does not exist
+    or is empty, with a warning naming both. Appending would show the earlier run's steps and this
+    one's in the same TensorBoard run (step 0 twice) and overwrite the earlier run's summary.
+
+    A :class:`ContinueRun` is returned as it is.
+    """
+    if isinstance(path, ContinueRun) or not os.path.isfile(os.path.join(path, SUMMARY_FILE)):
+        return path
+    base, n = path.rstrip("/\\") or path, 2
+    while os.path.exists(f"{base}-{n}") and (not os.path.isdir(f"{base}-{n}") or os.listdir(f"{base}-{n}")):
+        n += 1
+    fresh = f"{base}-{n}"
+    warnings.warn(f"probe: {path!r} already holds a run ({SUMMARY_FILE}); this run writes to {fresh!r} so that "
+                  f"the two runs' steps never mix (to continue a run there, pass "
+                  f"logdir=SummaryWriter({path!r}) instead)", RuntimeWarning, stacklevel=4)
+    return fresh
 
 
 def load_run(path: str, window: Optional[StepWindow] = None) -> Tuple[Summary, str]:

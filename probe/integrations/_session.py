@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import threading
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from probe.errors import ProbeError
 from probe.profiler import Probe, watch
+from probe.runs import ContinueRun
 from probe.summary import Summary
 from probe.thresholds import Threshold, Violation, as_thresholds, check, format_value
 
@@ -106,9 +108,13 @@ class Session:
     def active(self) -> bool:
         return self._open
 
-    def start(self, model: Any, logdir: Any, writes: bool) -> None:
-        """Watch ``model`` (paused until the first step); ``writes``: this process judges and writes."""
+    def start(self, model: Any, logdir: Any, writes: bool, resumed: bool = False) -> None:
+        """Watch ``model`` (paused until the first step); ``writes``: this process judges and writes;
+        ``resumed``: the trainer resumed from a checkpoint, its steps continue the run in ``logdir``
+        (without it, a ``logdir`` path holding an earlier run gives way to ``logdir-2``)."""
         self.close()  # a previous run that raised before its end event
+        if resumed and isinstance(logdir, (str, os.PathLike)):
+            logdir = ContinueRun(os.fspath(logdir))
         options = dict(self.watch_options)
         sinks = list(options.pop("sinks", ()))
         self._judge = Judge(self.thresholds) if writes else None

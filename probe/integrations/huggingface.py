@@ -87,7 +87,7 @@ class ProbeCallback(TrainerCallback):
         logdir = self._session.logdir
         if logdir is None and writes:
             logdir = trainer_logdir(args)
-        self._session.start(model, logdir, writes)
+        self._session.start(model, logdir, writes, resumed=state.global_step > 0)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:

@@ -97,7 +97,7 @@ class ProbeCallback(*_CALLBACKS):  # type: ignore[misc]
         logdir = self._session.logdir
         if logdir is None and writes:
             logdir = _trainer_logdir(trainer)
-        self._session.start(pl_module, logdir, writes)
+        self._session.start(pl_module, logdir, writes, resumed=trainer.global_step > 0)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._started_at = trainer.global_step
