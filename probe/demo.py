@@ -155,22 +155,38 @@ def train(config: DemoConfig, scale: Optional[float], logdir: Optional[str]) -> 
     return {"loss": tail, "first_loss": losses[0].item(), "summary": p.summary(), "steps": steps.by_step}
 
 
-#: Table columns: (metric, heading). Each is the head mean at the model's own scale, except
-#: ``logit_max`` (the max over heads).
+#: Table columns: (key, heading). Each is the head mean at the model's own scale, except
+#: ``logit_max`` (the max over heads) and ``grad_ratio``, the counterfactual: the softmax gradient
+#: at scale 1 over the one at 1/sqrt(d_k), for the same q, k and upstream gradient (head means).
 COLUMNS = (("entropy", "entropy"), ("saturation", "saturation"), ("logit_max", "max logit"),
-           ("grad_logits", "softmax grad"))
+           ("grad_logits", "softmax grad"), ("grad_ratio", "grad ratio"))
 
 
-def _cell(summary: Optional[probe.Summary], site: str, metric: str) -> float:
+def _value(summary: Optional[probe.Summary], site: str, metric: str, scale: str) -> float:
     if summary is None or site not in summary.sites or metric not in summary.metrics(site):
         return math.nan
-    return head_reduce(metric, summary.value(site, metric, "actual"))
+    if scale not in summary.scales(site, metric):
+        return math.nan
+    return head_reduce(metric, summary.value(site, metric, scale))
+
+
+def _cell(summary: Optional[probe.Summary], site: str, key: str) -> float:
+    if key == "grad_ratio":
+        with_divisor = _value(summary, site, "grad_logits", "standard")
+        if not with_divisor > 0:
+            return math.nan
+        return _value(summary, site, "grad_logits", "unscaled") / with_divisor
+    return _value(summary, site, key, "actual")
 
 
 def _num(x: float) -> str:
     if math.isnan(x):
         return "-"
-    return f"{x:.3f}" if 1e-3 <= abs(x) < 1e3 or x == 0 else f"{x:.2e}"
+    if x == 0 or 1e-3 <= abs(x) < 10:
+        return f"{x:.3f}"
+    if 10 <= abs(x) < 1e3:
+        return f"{x:.1f}"
+    return f"{x:,.0f}" if 1e3 <= abs(x) < 1e6 else f"{x:.1e}"
 
 
 def _ends(result: Dict[str, Any]) -> List[int]:
@@ -179,52 +195,74 @@ def _ends(result: Dict[str, Any]) -> List[int]:
 
 
 def format_table(results: Dict[str, Dict[str, Any]]) -> str:
-    """Per layer and run, at the first and the last probed step: entropy, saturation, max logit
-    and the softmax gradient ``grad_logits``, at the model's own scale (head mean; head max for
-    the max logit). Columns are aligned; the headings say which step each value is from."""
+    """Per layer and run, at the first and the last probed step: entropy, saturation, max logit,
+    the softmax gradient ``grad_logits`` (at the model's own scale; head mean, head max for the
+    max logit) and ``grad_logits@unscaled / grad_logits@standard``, what the softmax would pass
+    back without the divisor relative to with it, for the same q, k and upstream gradient.
+    Columns are aligned; the headings say which step each value is from."""
     names = list(results)
     ends = _ends(results[names[0]])
     sites = list(results[names[0]]["summary"].sites)
-    cell_w = 9
+    cell_w = 7
     group_w = len(ends) * cell_w + (len(ends) - 1)
     site_w = max(len("layer"), *(len(printable(s)) for s in sites))
     run_w = max(len("run"), *(len(n) for n in names))
     left = f"{'':<{site_w}}  {'':<{run_w}}"
-    line1 = left + "".join(f"  {heading:^{group_w}}" for _, heading in COLUMNS)
+    widths = [max(group_w, len(heading)) for _, heading in COLUMNS]
+    line1 = left + "".join(f"  {heading:^{w}}" for (_, heading), w in zip(COLUMNS, widths))
     steps = " ".join(f"{'step ' + str(s):>{cell_w}}" for s in ends)
-    line2 = f"{'layer':<{site_w}}  {'run':<{run_w}}" + "".join(f"  {steps}" for _ in COLUMNS)
+    line2 = f"{'layer':<{site_w}}  {'run':<{run_w}}" + "".join(f"  {steps:>{w}}" for w in widths)
     lines = [line1.rstrip(), line2, "-" * len(line2)]
     for site in sites:
         for i, name in enumerate(names):
             by_step = results[name]["steps"]
-            cells = ["  " + " ".join(f"{_num(_cell(by_step.get(s), site, m)):>{cell_w}}" for s in ends)
-                     for m, _ in COLUMNS]
+            cells = []
+            for (key, _), w in zip(COLUMNS, widths):
+                group = " ".join(f"{_num(_cell(by_step.get(s), site, key)):>{cell_w}}" for s in ends)
+                cells.append(f"  {group:>{w}}")
             lines.append(f"{printable(site) if i == 0 else '':<{site_w}}  {name:<{run_w}}" + "".join(cells))
     return "\n".join(lines)
 
 
-def _mean_over_sites(result: Dict[str, Any], step: int, metric: str) -> float:
+def _mean_over_sites(result: Dict[str, Any], step: int, key: str) -> float:
     summary = result["steps"].get(step)
-    values = [_cell(summary, site, metric) for site in (summary.sites if summary else [])]
+    values = [_cell(summary, site, key) for site in (summary.sites if summary else [])]
     values = [v for v in values if not math.isnan(v)]
     return sum(values) / len(values) if values else math.nan
 
 
+def _ratio_words(ratio: float, first: bool) -> str:
+    """``ratio`` (no divisor over 1/sqrt(d_k)) in words."""
+    if math.isnan(ratio):
+        return "not measured"
+    if ratio < 0.5:
+        return f"{1 / ratio:.0f}x smaller" + (" than with it" if first else "")
+    words = f"{ratio:.2f}x its value with the divisor" if first else f"{ratio:.2f}x"
+    return words + (" (not vanished)" if ratio < 0.95 else " (no smaller)")
+
+
 def reading(results: Dict[str, Dict[str, Any]], d_k: int) -> str:
-    """One line that reads the difference between the runs, from the numbers (not a script)."""
+    """A few lines that read the difference between the runs, from the numbers (not a script)."""
     scaled, unscaled = results["scaled"], results["unscaled"]
-    first = _ends(scaled)[0]
+    first, last = _ends(scaled)[0], _ends(unscaled)[-1]
     e_s, e_u = (_mean_over_sites(r, first, "entropy") for r in (scaled, unscaled))
     s_s, s_u = (_mean_over_sites(r, first, "saturation") for r in (scaled, unscaled))
-    g_s, g_u = (_mean_over_sites(r, first, "grad_logits") for r in (scaled, unscaled))
-    if g_u < g_s / 2:
-        grad = f"the softmax passes back {g_s / g_u:.0f}x less gradient"
+    r_first, r_last = (_mean_over_sites(unscaled, step, "grad_ratio") for step in (first, last))
+    m_last = max(_cell(unscaled["steps"].get(last), site, "logit_max") for site in unscaled["summary"].sites)
+    lines = [
+        f"Reading: at step {first}, before any learning, attention entropy is {e_u:.2f} without 1/√{d_k} and "
+        f"{e_s:.2f} with it;",
+        f"  {s_u:.0%} of rows are saturated without it, {s_s:.0%} with it.",
+        f"  Softmax gradient for the same q, k and upstream gradient (grad ratio): without the divisor it is",
+        f"  {_ratio_words(r_first, True)} at step {first}",
+    ]
+    if last != first:
+        lines[-1] += f", and {_ratio_words(r_last, False)} at step {last} (max logit {m_last:,.0f})."
     else:
-        grad = f"the softmax gradient is {_num(g_u)} against {_num(g_s)}, not smaller yet"
-    return (f"Reading: at step {first}, before any learning, attention entropy is {e_u:.2f} without 1/√{d_k} "
-            f"and {e_s:.2f} with it, {s_u:.0%} of rows are saturated against {s_s:.0%}, and {grad}; "
-            f"loss {unscaled['first_loss']:.2f} -> {unscaled['loss']:.2f} without the divisor, "
-            f"{scaled['first_loss']:.2f} -> {scaled['loss']:.2f} with it.")
+        lines[-1] += "."
+    lines.append(f"  Loss {unscaled['first_loss']:.2f} -> {unscaled['loss']:.2f} without the divisor, "
+                 f"{scaled['first_loss']:.2f} -> {scaled['loss']:.2f} with it.")
+    return "\n".join(lines)
 
 
 def _fresh_dirs(logdir: str, names: List[str]) -> List[str]:
@@ -264,8 +302,9 @@ def run_demo(steps: int = 100, logdir: str = "runs/demo", out: Optional[TextIO] 
               f"{results[name]['loss']:.3f} (mean of the last 10 steps)  "
               f"{time.perf_counter() - start:.1f} s  -> {folder}", file=out)
     print("", file=out)
-    print("Per layer, at the model's own scale, at the first and the last probed step: head mean "
-          "(max logit: head max; softmax grad: |dL/dlogits|, see docs/gradients.md)", file=out)
+    print("Per layer and run, at the first and the last probed step, at the model's own scale: head mean (max "
+          "logit: head max;\nsoftmax grad: |dL/dlogits|; grad ratio: softmax grad without the divisor ÷ with it, "
+          "for the same q, k and upstream gradient;\nsee docs/gradients.md)", file=out)
     print(format_table(results), file=out)
     print("", file=out)
     print(reading(results, d_k), file=out)

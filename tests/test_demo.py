@@ -33,7 +33,11 @@ def test_demo_shows_saturation_without_scaling(tmp_path):
     assert len({len(r) for r in rows}) == 1  # aligned
     step0 = results["unscaled"]["steps"][0]
     assert f"{step0.value('blocks.0.attn', 'entropy').mean():.3f}" in rows[1]
-    assert "Reading: at step 0" in text
+    # the last column: the softmax gradient without the divisor over with it (same q, k, dP), head means
+    ratio = (step0.value("blocks.0.attn", "grad_logits", "unscaled").mean()
+             / step0.value("blocks.0.attn", "grad_logits", "standard").mean())
+    assert rows[1].split()[-2] == f"{ratio:.3f}"
+    assert "Reading: at step 0" in text and "(grad ratio): without the divisor it is" in text
 
 
 def test_demo_logs_loss_and_never_mixes_runs(tmp_path):
