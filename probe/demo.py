@@ -309,5 +309,6 @@ def run_demo(steps: int = 100, logdir: str = "runs/demo", out: Optional[TextIO] 
     print("", file=out)
     print(reading(results, d_k), file=out)
     print(f"See it in TensorBoard:  tensorboard --logdir {logdir} --samples_per_plugin images=100", file=out)
+    print("                        (in its Settings, untick 'Ignore outliers in chart scaling' to see step 0)", file=out)
     print(f"Judge it as CI would:   probe check {logdir}", file=out)
     return results
