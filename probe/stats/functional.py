@@ -33,7 +33,7 @@ from probe.stats.chunks import (
     sample_rows,
 )
 from probe.stats.general import combine_moments, general_chunk, logit_moments, softmax_stats
-from probe.stats.shifted import grad_logits_shifted, shifted_reduce, shifted_rows
+from probe.stats.shifted import causal_upper, grad_logits_shifted, shifted_reduce, shifted_rows
 
 __all__ = [
     "FORWARD_METRICS",
@@ -55,13 +55,17 @@ FORWARD_METRICS = ("logit_var", "logit_max", "entropy", "max_prob", "saturation"
 
 
 def _scaled_moments(moments: Tensor, scale: Scale, heads: int) -> Tuple[Tensor, Tensor]:
-    """(count, mean, M2) and max of ``σR`` from the moments of ``R`` (scale-linear)."""
-    n, mean, m2, rmax, rmin = moments
+    """(count, mean, M2) and max of ``σR`` from the moments of ``R`` (scale-linear); the min of
+    ``R`` (a fifth row) is needed only for negative scales, which the shifted path never has."""
+    n, mean, m2, rmax = moments[:4]
+    rmin = moments[4] if moments.shape[0] > 4 else None
     if isinstance(scale, Tensor):
         s = scale.to(device=moments.device, dtype=moments.dtype).reshape(-1).expand(heads)
+        assert rmin is not None  # tensor scales take the general path
         top = torch.where(s >= 0, s * rmax, s * rmin)
     else:
         s = float(scale)
+        assert s >= 0 or rmin is not None  # negative scales take the general path
         top = s * rmax if s >= 0 else s * rmin
     return torch.stack([n, s * mean, s * s * m2]), top
 
@@ -175,7 +179,7 @@ def _shifted_stats(call: AttentionCall, floats: List[float], saturation: float, 
         picks = [(positions[chunk_of == c] - r0).to(device, non_blocking=True) for c, r0 in enumerate(starts)]
     # a causal call without other masks: mask only each chunk's diagonal block, with one mask
     block = call.causal and call.mask is None
-    upper = torch.ones(step, step, dtype=torch.bool, device=device).triu(1) if block else None
+    upper = causal_upper(step, device) if block else None
     work = torch.empty(2 * batch * heads * step * keys, device=device)  # the widest chunk
     exact_parts: List[Tensor] = []
     soft_parts: List[Tensor] = []

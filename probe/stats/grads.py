@@ -90,8 +90,9 @@ def _rows_times_kv(x: Tensor, kv_t: Tensor, kv_heads: int, out: Optional[Tensor]
     cols = kv_t.shape[-1]
     if groups == 1:
         return torch.matmul(x, kv_t, out=out)
-    grouped = None if out is None else out.view(batch, kv_heads, groups, rows, cols)
-    res = torch.matmul(x.reshape(batch, kv_heads, groups, rows, dim), kv_t.unsqueeze(2), out=grouped)
+    # (B, Hk, g·rows, d) @ (B, Hk, d, S) is (B, H, rows, S) in memory, without repeating kv
+    grouped = None if out is None else out.view(batch, kv_heads, groups * rows, cols)
+    res = torch.matmul(x.reshape(batch, kv_heads, groups * rows, dim), kv_t, out=grouped)
     return res.view(batch, heads, rows, cols)
 
 

@@ -14,11 +14,42 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall
-from probe.stats.chunks import _iter, cache_chunk_rows
+from probe.stats.chunks import _iter, all_finite, cache_chunk_rows
 
-__all__ = ["grad_logits_shifted", "shifted_reduce", "shifted_rows"]
+__all__ = ["causal_upper", "grad_logits_shifted", "mask_", "shifted_reduce", "shifted_rows"]
 
 _LOG2E = 1.0 / math.log(2.0)
+
+
+def causal_upper(step: int, device: torch.device) -> Tensor:
+    """The diagonal block's causal mask for chunks of ``step`` rows, additive: ``−inf`` above the
+    diagonal, 0 elsewhere (built once per call; see :func:`mask_`)."""
+    upper = torch.ones(step, step, dtype=torch.bool, device=device).triu(1)
+    return torch.zeros(step, step, device=device).masked_fill_(upper, -math.inf)
+
+
+def mask_(R: Tensor, valid: Optional[Tensor], causal: Optional[Tuple[int, Tensor]], finite: bool) -> None:
+    """Set the masked entries of a chunk ``R`` to ``−inf`` in place: ``valid`` False, or with
+    ``causal = (r0, upper)`` (:func:`causal_upper`) above the diagonal of the block at key ``r0``.
+
+    When ``finite`` (:func:`all_finite`) the mask is added as 0 / ``−inf``: on CPUs a broadcast
+    ``masked_fill_`` costs four to five times an addition. Otherwise ``masked_fill_``, so that a
+    NaN or ``+inf`` under the mask does not survive it.
+    """
+    keys = R.shape[-1]
+    if causal is not None:
+        r0, upper = causal
+        if keys > r0:
+            block = upper[: R.shape[2], : keys - r0]
+            if finite:
+                R[..., r0:].add_(block)
+            else:
+                R[..., r0:].masked_fill_(block.isinf(), -math.inf)
+    elif valid is not None:
+        if finite:
+            R.add_(torch.where(valid, 0.0, -math.inf))
+        else:
+            R.masked_fill_(~valid, -math.inf)
 
 
 def shifted_rows(R: Tensor, valid: Optional[Tensor], scales: Sequence[float],
@@ -31,7 +62,7 @@ def shifted_rows(R: Tensor, valid: Optional[Tensor], scales: Sequence[float],
     cheaper than ``exp`` on CPUs), ``Σe`` and ``Σ e·D`` give the row's entropy and max
     probability (:func:`shifted_reduce`): one exponential and two row sums per scale.
 
-    Returns ``(exact, soft)``: ``exact = [n, r, ΣD, ΣD², min D, #non-finite]`` for every row of
+    Returns ``(exact, soft)``: ``exact = [n, r, ΣD, ΣD², #non-finite]`` for every row of
     the chunk, where ``n`` is the number of valid keys and ``#non-finite`` counts NaN/±inf among
     the row's valid logits; ``soft = [n, r, Σe_1, Σe·D_1, Σe_2, ...]`` for the rows ``pick``
     (local indices, sorted) or every row when ``pick`` is ``None``. The exponentials, the
@@ -39,9 +70,13 @@ def shifted_rows(R: Tensor, valid: Optional[Tensor], scales: Sequence[float],
 
     ``work`` is scratch space of at least ``2·R.numel()`` floats, reused across chunks.
     ``causal = (r0, upper)``: the chunk starts at query ``r0`` and is causal with no other mask;
-    only its diagonal block is masked, with ``upper`` (``triu(ones(step, step), 1)``, built once
-    per call). Masks that grow with the chunk's width fragment the CPU heap (measured: +20 MiB
+    only its diagonal block is masked, with ``upper`` (:func:`causal_upper`, built once per
+    call). Masks that grow with the chunk's width fragment the CPU heap (measured: +20 MiB
     of resident memory at L = 4096).
+
+    Non-finite logits are counted only when the chunk may have some: on CPUs one sum of ``R``
+    (:func:`all_finite`, a free host check there) proves most chunks clean and skips the count's
+    three passes; elsewhere the count always runs (no host synchronization).
 
     Pitfall: ``R`` is overwritten. Masked entries of ``D`` are ``-inf`` for the exponential and 0
     in the sums (``0·(−inf)`` would be NaN); a fully masked row has ``r = −inf``, replaced by 0.
@@ -52,21 +87,22 @@ def shifted_rows(R: Tensor, valid: Optional[Tensor], scales: Sequence[float],
         work = torch.empty(2 * R.numel(), device=R.device)
     e = work[: R.numel()].view(R.shape)
     masked = valid is not None or causal is not None
+    finite = all_finite(R)  # before masking: every entry of the chunk, valid or not
+    mask_(R, valid, causal, finite)
     if causal is not None:
-        r0, upper = causal
-        if keys > r0:
-            R[..., r0:].masked_fill_(upper[:length, : keys - r0], -math.inf)
+        r0 = causal[0]
         n_row = (torch.arange(r0 + 1, r0 + length + 1, device=R.device, dtype=torch.float32)
                  .clamp(max=keys).expand(shape))
     elif valid is None:
         n_row = torch.full(shape, float(keys), device=R.device)
     else:
-        R.masked_fill_(~valid, -math.inf)
         n_row = valid.sum(-1, dtype=torch.float32).expand(shape)
-    # x·0 is 0 for finite x and NaN for NaN and ±inf (masked entries are −inf: subtract them)
-    bad = torch.nan_to_num(torch.mul(R, 0.0, out=e), nan=1.0, out=e).sum(-1)
-    if masked:
-        bad = bad - (keys - n_row)
+    if finite:
+        bad = torch.zeros(shape, device=R.device)
+    else:  # x·0 is 0 for finite x and NaN for NaN and ±inf (masked entries are −inf: subtract them)
+        bad = torch.nan_to_num(torch.mul(R, 0.0, out=e), nan=1.0, out=e).sum(-1)
+        if masked:
+            bad = bad - (keys - n_row)
     rmax = R.amax(-1, keepdim=True)
     rmax = torch.where(rmax == -math.inf, 0.0, rmax)
     D = R.sub_(rmax)
@@ -75,8 +111,7 @@ def shifted_rows(R: Tensor, valid: Optional[Tensor], scales: Sequence[float],
         D0 = torch.nan_to_num(D, nan=math.nan, posinf=math.inf, neginf=0.0,
                               out=work[R.numel() : 2 * R.numel()].view(R.shape))
     r = rmax.squeeze(-1)
-    exact = [n_row, r, D0.sum(-1), torch.linalg.vector_norm(D0, dim=-1).square(),
-             D0.amin(-1), bad]  # masked entries of D0 are 0 >= every valid D: amin is the valid min
+    exact = [n_row, r, D0.sum(-1), torch.linalg.vector_norm(D0, dim=-1).square(), bad]
     if pick is not None:
         D, D0 = D.index_select(2, pick), D0.index_select(2, pick) if masked else None
         D0 = D if D0 is None else D0
@@ -93,7 +128,7 @@ def shifted_rows(R: Tensor, valid: Optional[Tensor], scales: Sequence[float],
 def shifted_reduce(exact: List[Tensor], soft_rows: List[Tensor], scales: Sequence[float], saturation: float,
                    acc: torch.dtype, length: Optional[int] = None
                    ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """Per-head (moments (5, H), softmax sums (len(scales), 4, H), nonfinite (H,), variances)
+    """Per-head (moments (4, H): count, mean, M2, max; softmax sums (len(scales), 4, H), nonfinite (H,), variances)
     from the per-row sums of :func:`shifted_rows` (every chunk's, concatenated along rows).
 
     Moments: a row has mean ``μ = r + ΣD/n`` and ``M2 = ΣD² − (ΣD)²/n``; rows combine exactly
@@ -109,7 +144,7 @@ def shifted_reduce(exact: List[Tensor], soft_rows: List[Tensor], scales: Sequenc
     the estimated variance of each total (entropy, max_prob, saturated),
     ``L²(1 − N/L)/N · S_y²`` with ``y`` the per-position sum over the batch; else ``None``.
     """
-    n, r, a, b, lo, bad = exact
+    n, r, a, b, bad = exact
     dims = (0, 2)
     n64, r64, a64 = n.to(acc), r.to(acc), a.to(acc)
     seen = n > 0
@@ -120,8 +155,7 @@ def shifted_reduce(exact: List[Tensor], soft_rows: List[Tensor], scales: Sequenc
     mean = (n64 * mu).sum(dims) / count.clamp(min=1)
     m2 = m2_row.sum(dims) + (n64 * (mu - mean.view(1, -1, 1)).square()).sum(dims)
     top = torch.where(seen, r, -math.inf).amax(dims).to(acc)
-    low = torch.where(seen, r + lo, math.inf).amin(dims).to(acc)
-    moments = torch.stack([count, mean, m2, top, low])
+    moments = torch.stack([count, mean, m2, top])  # no min: every scale here is positive
     n_ok = (n >= 2).sum(dims, dtype=acc)  # exact, also when the softmax rows are sampled
 
     n_s, r_s = soft_rows[:2]
@@ -196,7 +230,7 @@ def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: S
                cache_chunk_rows(batch, heads, keys), length)  # never above the rows there are
     last = [min(length, r0 + step) - 1 for r0 in range(0, length, step)] if call.causal else None
     block = call.causal and call.mask is None
-    upper = torch.ones(step, step, dtype=torch.bool, device=call.q.device).triu(1) if block else None
+    upper = causal_upper(step, call.q.device) if block else None
     sums = [torch.zeros(heads, dtype=acc, device=call.q.device) for _ in values]
     work = torch.empty(3 * batch * heads * min(step, length) * keys, device=call.q.device)
     r0 = 0
@@ -209,14 +243,12 @@ def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: S
             dc = dc * grad_scale
         if kv_heads != heads:
             g = heads // kv_heads
-            torch.matmul(dc.reshape(batch, kv_heads, g, rows, -1), vc.unsqueeze(2),
-                         out=dP.view(batch, kv_heads, g, rows, cols))
+            torch.matmul(dc.reshape(batch, kv_heads, g * rows, -1), vc,  # as q rows in chunks._iter
+                         out=dP.view(batch, kv_heads, g * rows, cols))
         else:
             torch.matmul(dc, vc, out=dP)
-        if upper is not None and cols > r0:
-            R[..., r0:].masked_fill_(upper[:rows, : cols - r0], -math.inf)
-        elif valid is not None:
-            R.masked_fill_(~valid, -math.inf)
+        # a sum of R proves the chunk finite on CPUs, where an added mask is cheaper (mask_)
+        mask_(R, valid, None if upper is None else (r0, upper), valid is not None and all_finite(R))
         rmax = R.amax(-1, keepdim=True)
         D = R.sub_(torch.where(rmax == -math.inf, 0.0, rmax))
         for i, sigma in enumerate(values):
