@@ -57,6 +57,9 @@ class AttentionCall:
             flattened to 4-D, an einsum operand permuted): ``(tensor, fn)``, the model's own
             tensor to hook and how its gradient becomes the record's (``fn(grad)``).
         scale_from: where the scale came from, in words (``info["scale_from"]``).
+        head_dim: ``d_k`` when it is not ``q.shape[-1]``: heads mixed before the softmax (talking
+            heads) are recorded as ``q'_g = [M_1g·q_1, ..., M_Hg·q_H]`` and ``k'_g = [k_1, ...,
+            k_H]`` (so that ``q'_g·k'_g = Σ_h M_hg·q_h·k_h``), whose last dim is ``H·d``.
     """
 
     q: Tensor
@@ -74,6 +77,7 @@ class AttentionCall:
     probs: Optional[Tensor] = None
     grad_of: Optional[Mapping[str, Tuple[Tensor, Callable[[Tensor], Tensor]]]] = None
     scale_from: Optional[str] = None
+    head_dim: Optional[int] = None
 
     @property
     def heads(self) -> int:
@@ -85,7 +89,7 @@ class AttentionCall:
 
     @property
     def d_k(self) -> int:
-        return self.q.shape[-1]
+        return self.q.shape[-1] if self.head_dim is None else self.head_dim
 
     @property
     def groups(self) -> int:

@@ -187,9 +187,14 @@ class EagerFrontEnd(Products, FrontEnd):
                 self._linear_sum(func, args, kwargs, out)
             return
         alpha = kwargs.get("alpha", 1)
-        if isinstance(self._get(args[1 - i]), Scores) or (i == 1 and alpha != 1):
+        other = self._get(args[1 - i])
+        if isinstance(other, Scores):
             # scores plus a function of themselves (talking heads: ``s + conv1x1(s)``) scale with σ
-            # too, so they are no fixed bias; a + alpha * scores
+            # too, so they are never a fixed bias
+            a, b = (node, other) if i == 0 else (other, node)
+            self._set(out, self._mix_sum(a, b, alpha))
+            return
+        if i == 1 and alpha != 1:  # a + alpha * scores
             self._set(out, dataclasses.replace(node, unknown=True))
             return
         self._add_bias(out, node, args[1 - i], alpha if i == 0 else 1)
@@ -197,7 +202,8 @@ class EagerFrontEnd(Products, FrontEnd):
     def _on_sub(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
         node = self._get(args[0]) if args else None
         if isinstance(node, Scores) and len(args) > 1 and isinstance(self._get(args[1]), Scores):
-            self._set(out, dataclasses.replace(node, unknown=True))
+            alpha = kwargs.get("alpha", 1)
+            self._set(out, self._mix_sum(node, self._get(args[1]), -alpha if number(alpha) else None))
         elif isinstance(node, Scores) and len(args) > 1:
             self._add_bias(out, node, args[1], -kwargs.get("alpha", 1) if number(kwargs.get("alpha", 1)) else None)
         elif node is None:
@@ -319,7 +325,7 @@ class EagerFrontEnd(Products, FrontEnd):
         if not isinstance(dim, int) or dim not in (-1, x.dim() - 1):
             return None
         describable = not (node.unknown or node.tanh or node.softcap is not None)
-        change = overrides.lookup(node.q.shape[1], node.q.shape[-1], x, variants=False, describable=describable)
+        change = overrides.lookup(node.q.shape[1], node.head_dim or node.q.shape[-1], x, variants=False, describable=describable)
         if change is None:
             return None
         if change.scale is None:

@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+
 from probe.capture.eager_scores import (
     Meta,
     Pending,
@@ -25,6 +26,7 @@ from probe.capture.eager_scores import (
     einsum_pair,
     factor,
     grad_map,
+    head_mix,
     heads_of,
     number,
     permuted,
@@ -35,6 +37,22 @@ from probe.capture.eager_scores import (
 )
 
 __all__ = ["Products"]
+
+
+def _pair(x: Any) -> Tuple[Any, ...]:
+    return tuple(x) if isinstance(x, (list, tuple)) else (x,)
+
+
+def _einsum_head_mix(ss: str, sw: str, res: str, w: Any) -> Optional[Tensor]:
+    """M (H, G) of ``einsum(ss, sw -> res)`` when it mixes the heads of 4-D scores ``ss`` (batch,
+    head, query, key) by a 2-D weight ``sw`` (head, new head): ``"bhij,hg->bgij"``."""
+    if len(ss) != 4 or len(sw) != 2 or len(res) != 4 or not isinstance(w, Tensor) or w.dim() != 2:
+        return None
+    h = ss[1]
+    g = next((c for c in sw if c != h), None)
+    if h not in sw or g is None or g in ss or res != ss[0] + g + ss[2:]:
+        return None
+    return w if sw == h + g else w.t()
 
 
 def _transposed(g: Tensor) -> Tensor:
@@ -174,8 +192,9 @@ class Products:
         roles = qk_roles(sx, sy, res)
         if roles is None:
             mixed = next((r for r in map(self._get, (x, y)) if isinstance(r, Scores)), None)
-            if mixed is not None:  # scores mixed by a weight (talking heads): not describable
-                self._set(out, dataclasses.replace(mixed, unknown=True))
+            if mixed is not None:  # scores mixed by a weight: talking heads ("bhij,hg->bgij"), else unknown
+                m = _einsum_head_mix(sx, sy, res, y) if mixed is self._get(x) else _einsum_head_mix(sy, sx, res, x)
+                self._set(out, self._mixed(mixed, m))
             return
         to_q, to_k = [sx.index(c) for c in roles[0]], [sy.index(c) for c in roles[1]]
         q, k = permuted(x, to_q), permuted(y, to_k)
@@ -185,6 +204,51 @@ class Products:
                      ("k", *grad_map(y, node.k, pre=lambda g: g.permute(to_k))))
             node = dataclasses.replace(node, grad_of=grads)
         self._set(out, node)
+
+    # -- heads mixed before the softmax (talking heads) ---------------------------------------------
+    def _mixed(self, node: Scores, m: Optional[Tensor]) -> Scores:
+        """The record of ``node``'s scores mixed over heads by ``m`` (H, G): see :func:`head_mix`;
+        unknown (reported at `actual` only, with a warning) when it cannot be described."""
+        mixed = head_mix(node, m) if m is not None else None
+        return dataclasses.replace(node, unknown=True) if mixed is None else mixed
+
+    def _on_conv(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
+        """``conv2d(scores, W)`` with a 1x1 kernel, no bias, stride 1 (x-transformers' talking heads)."""
+        node = self._get(args[0]) if args else None
+        if not isinstance(node, Scores):
+            return
+        names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+        bound = {**dict(zip(names, args)), **kwargs}
+        w = bound.get("weight")
+        plain = (bound.get("bias") is None and bound.get("groups", 1) == 1 and all(
+            set(_pair(bound.get(n, default))) == {default} for n, default in (("stride", 1), ("padding", 0),
+                                                                            ("dilation", 1))))
+        ok = func in (torch.conv2d, torch.nn.functional.conv2d) and isinstance(w, Tensor) and w.dim() == 4
+        m = w[:, :, 0, 0].t() if ok and plain and tuple(w.shape[2:]) == (1, 1) else None
+        self._set(out, self._mixed(node, m))
+
+    def _mix_sum(self, a: Scores, b: Scores, coeff: Any) -> Scores:
+        """``a + coeff·b`` of two records of the same scores, each the scores themselves or a mix
+        of them over heads with nothing applied after it (``s + conv1x1(s)``): the mix
+        ``M_a + coeff·M_b``; anything else is unknown."""
+        eye = None
+        mixes = []
+        for node, other in ((a, b), (b, a)):
+            if node.mix is None:
+                mixes.append((node, None))
+                continue
+            root, m, n_biases = node.mix
+            if node.unknown or node.masks or len(node.biases) != n_biases or node.softcap is not None:
+                return dataclasses.replace(a, unknown=True)
+            mixes.append((root, m))
+        (ra, ma), (rb, mb) = mixes
+        if ra is not rb or (ma is None and mb is None) or not isinstance(coeff, (int, float)):
+            return dataclasses.replace(a, unknown=True)
+        eye = torch.eye(ra.q.shape[1], dtype=ra.q.dtype, device=ra.q.device)
+        ma, mb = (eye if ma is None else ma), (eye if mb is None else mb)
+        if ma.shape != mb.shape:
+            return dataclasses.replace(a, unknown=True)
+        return self._mixed(ra, ma + coeff * mb)
 
     # -- scale -------------------------------------------------------------------------------------
     def _on_mul(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:

@@ -44,6 +44,8 @@ class Scores:
     unknown: bool = False  # an op the record cannot describe touched the scores
     grad_of: Tuple[Tuple[str, Tensor, Callable[[Tensor], Tensor]], ...] = ()  # see AttentionCall.grad_of
     scale_from: Optional[str] = None
+    head_dim: Optional[int] = None  # d of the heads mixed into q, k (talking heads)
+    mix: Optional[Tuple["Scores", Tensor, int]] = None  # (scores before the mix, M (H, G), biases it made)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +126,8 @@ def handler_names() -> Dict[Callable[..., Any], str]:
         ("__getitem__ neg __neg__ permute unsqueeze squeeze flatten unflatten unbind chunk split",
          (torch.neg, torch.cat, torch.stack, torch.permute, torch.unbind, torch.chunk, torch.split), "_on_linear"),
         ("clamp clamp_ clamp_min maximum", (torch.clamp, torch.clamp_min, torch.max, torch.maximum), "_on_floor"),
-        ("__rsub__ __rdiv__", (F.conv1d, F.conv2d, F.linear, torch.conv1d, torch.conv2d), "_on_other"),
+        ("__rsub__ __rdiv__", (F.conv1d, F.linear, torch.conv1d), "_on_other"),
+        ("", (F.conv2d, torch.conv2d), "_on_conv"),
         ("softmax", (torch.softmax, F.softmax), "_on_softmax"),
     ):
         methods = [getattr(cls, n) for n in names.split() for cls in (torch._C.TensorBase, Tensor) if hasattr(cls, n)]
@@ -323,7 +326,39 @@ def to_call(node: Scores, logits: Tensor) -> AttentionCall:
         scale = node.scale_t * node.scale
     return AttentionCall(q=node.q, k=node.k, v=None, scale=scale, bias=bias, mask=valid,
                          softcap=node.softcap, kind="eager", grad_of={n: (t, f) for n, t, f in node.grad_of} or None,
-                         scale_from=node.scale_from)
+                         scale_from=node.scale_from, head_dim=node.head_dim)
+
+
+def head_mix(root: Scores, m: Tensor) -> Optional[Scores]:
+    """The record of ``Σ_h M_hg · Z_h`` (heads mixed before the softmax: talking heads), ``Z`` the
+    4-D scores ``root`` describes: ``q'_g = [M_1g·q_1, ..., M_Hg·q_H]``, ``k'_g = [k_1, ..., k_H]``
+    (so ``q'_g·k'_g = Σ_h M_hg·q_h·k_h``: the mix scales with σ like the scores), the bias mixed
+    alike. ``None`` when the record cannot be mixed (masked, capped, a per-head scale, an
+    unknown op), then the scale is unknown."""
+    if root.unknown or root.tanh or root.softcap is not None or root.masks or root.scale_t is not None:
+        return None
+    if root.ndim != 4 or root.mix is not None or m.dim() != 2 or m.shape[0] != root.q.shape[1]:
+        return None
+    b, h, length, d = root.q.shape
+    with torch.no_grad():  # q', k' are not the model's tensors: their gradients come from q, k
+        m = m.detach().to(root.q.dtype)
+        k = root.k if root.k.shape[1] == h else root.k.repeat_interleave(h // root.k.shape[1], dim=1)
+        q2 = torch.einsum("hg,bhld->bglhd", m, root.q.detach()).reshape(b, m.shape[1], length, h * d)
+        k2 = k.detach().transpose(1, 2).reshape(k.shape[0], 1, k.shape[2], h * d)
+        k2 = k2.expand(k2.shape[0], m.shape[1], *k2.shape[2:])
+        biases: Tuple[Tuple[Tensor, float, int], ...] = ()
+        if root.biases:
+            call = to_call(root, root.q)  # the summed, lifted bias
+            if call.bias is not None:
+                bias = call.bias.expand(b, h, *call.bias.shape[-2:])
+                biases = ((torch.einsum("bhls,hg->bgls", bias, m.to(bias.dtype)), 1.0, 4),)
+    # grad_q / grad_k: those of the model's own q and k, per head before the mix (when the mix keeps H heads)
+    own = {n: (t, f) for n, t, f in root.grad_of}
+    grad_of = tuple((n, *own.get(n, (t, None))) for n, t in (("q", root.q), ("k", root.k))
+                    if t.shape[1] == m.shape[1] == h)
+    return dataclasses.replace(root, q=q2, k=k2, biases=biases, grad_of=grad_of, merged=None, head_dim=d, mix=(root, m, len(biases)),
+                               scale_from=(root.scale_from + "; " if root.scale_from else "") + "heads mixed before "
+                               "the softmax")
 
 
 def rescaled(node: Scores, x: Tensor, new: Union[float, Tensor]) -> Tuple[Tensor, Scores]:

@@ -333,20 +333,51 @@ def test_c_a_norm_after_the_factor_cancels_it() -> None:
 
 
 # -- A5: heads mixed before the softmax (talking heads) ------------------------------------------------
-def core_talking_heads(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+MIX = torch.eye(H) * 0.5 + 0.25  # (H, G): head h's weight in mixed head g
+
+
+def core_talking_heads_conv(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     sim = q @ k.transpose(-1, -2) * S0
-    mix = torch.eye(H) * 0.5 + 0.25
-    sim = sim + F.conv2d(sim, mix.view(H, H, 1, 1))  # x-transformers' pre-softmax talking heads
+    sim = sim + F.conv2d(sim, MIX.t().reshape(H, H, 1, 1))  # x-transformers' pre-softmax talking heads
     return keep(m, sim.softmax(-1)) @ v
 
 
-def test_a5_talking_heads_are_never_taken_for_a_bias() -> None:
-    # The mixed logits scale with σ too: a fixed bias would make `unscaled` / `standard` wrong.
-    # Until mixes are measured at every scale, the site is reported at `actual` only, with a warning.
-    net, s, warned = run(core_talking_heads, grads=False)
+def core_talking_heads_einsum(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    mask = torch.zeros(L, L)
+    mask[:, -1] = 0.7  # a bias before the mix is mixed too
+    sim = torch.einsum("bhij,hg->bgij", q @ k.transpose(-1, -2) * S0 + mask, torch.eye(H) + MIX)
+    return keep(m, sim.softmax(-1)) @ v
+
+
+@pytest.mark.parametrize("core", [core_talking_heads_conv, core_talking_heads_einsum], ids=["conv", "einsum"])
+def test_a5_talking_heads_are_measured_at_every_scale(core) -> None:
+    # The mixed logits Σ_h M_hg (σ·R_h + b_h) scale with σ: unscaled = the mixed raw products.
+    net, s, warned = run(core)
+    assert s.sites == ["blocks.0", "blocks.1"]
+    for name, block in zip(s.sites, net.blocks):
+        q, k = block.raw
+        mixed = torch.einsum("bhij,hg->bgij", q @ k.transpose(-1, -2), (torch.eye(H) + MIX).double())
+        info = s.info(name)
+        assert info["scale"] == pytest.approx(S0) and info["d_k"] == D
+        valid = torch.ones_like(mixed, dtype=torch.bool)
+        np.testing.assert_allclose(s.value(name, "logit_var", "unscaled"), _pooled_var(mixed, valid), rtol=1e-4)
+        np.testing.assert_allclose(s.value(name, "logit_var", "standard"), _pooled_var(mixed, valid) / D, rtol=1e-4)
+        np.testing.assert_allclose(s.value(name, "entropy"), entropy_ref(block.probs), rtol=1e-5, atol=1e-6)
+        for g in ("grad_logits", "grad_q", "grad_k", "grad_v"):  # grad_q / grad_k: the model's q, k before the mix
+            assert g in s.metrics(name), f"{name}: no {g}"
+    assert not warned, warned
+
+
+def core_talking_heads_masked(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    sim = (q @ k.transpose(-1, -2) * S0).masked_fill(torch.ones(L, L).triu(1).bool(), float("-inf"))
+    sim = torch.einsum("bhij,hg->bgij", sim, MIX)  # masked entries mixed: not describable
+    return keep(m, sim.softmax(-1)) @ v
+
+
+def test_a5_a_mix_probe_cannot_describe_is_reported_at_actual_with_a_warning() -> None:
+    net, s, warned = run(core_talking_heads_masked, grads=False)
     assert s.info("blocks.0")["scale"] is None
     assert any("blocks.0" in w and "`actual` only" in w for w in warned), warned
-    np.testing.assert_allclose(s.value("blocks.0", "entropy"), entropy_ref(net.blocks[0].probs), rtol=1e-5)
 
 
 # -- D: probabilities changed after the softmax by an op probe does not follow (DeepViT) -------------
