@@ -41,7 +41,7 @@ Reduction = Literal["sum", "max", "moments", "last"]
 #: independent of the run's length); ``count`` = the sum itself; ``se`` =
 #: sqrt(summed variance estimates) / ``rows``, the standard error of a ``per_row`` mean
 #: estimated from sampled rows (``rows=``).
-Final = Literal["var", "max", "per_row", "root", "count", "se"]
+Final = Literal["var", "max", "per_row", "root", "count", "se", "root_se"]
 #: How values fold: mean, max, sum, root of the sum of squares (a norm), or root mean square;
 #: NaN values ignored.
 Fold = Literal["mean", "max", "sum", "rss", "rms"]
@@ -118,6 +118,8 @@ METRICS: Tuple[MetricSpec, ...] = (
     MetricSpec("entropy_se", False, "entropy_var", "sum", "se", "mean", "mean", True, _UNIT),
     MetricSpec("max_prob_se", False, "max_prob_var", "sum", "se", "mean", "mean", True, _UNIT),
     MetricSpec("saturation_se", False, "saturated_var", "sum", "se", "mean", "mean", True, _UNIT),
+    # of the sampled grad_logits (probe.stats.grads.grad_logits_stats), to first order
+    MetricSpec("grad_logits_se", True, "grad_logits_var", "sum", "root_se", "mean", "rms", False, _GRAD, "rss"),
 )
 
 METRIC_ORDER: Tuple[str, ...] = tuple(m.name for m in METRICS)

@@ -24,7 +24,7 @@ from probe.errors import ProbeError
 from probe.options import ExtraScale, scale_value
 from probe.recompute import Recompute
 from probe.stats.accumulator import GRAD_STEPS, Accumulator, State
-from probe.stats.functional import forward_stats
+from probe.stats.functional import forward_stats, sample_rows
 from probe.stats.grads import grad_logits_stats, head_sq
 
 __all__ = ["GradHooks", "Recorder", "SiteInfo", "SiteKey", "grad_scales"]
@@ -108,14 +108,16 @@ class GradHooks:
         return self.hooks.step
 
     def register(self, call: AttentionCall, key: Hashable, step: int, scales: Mapping[str, Optional[Scale]],
-                 budget_bytes: int) -> int:
-        return self.hooks.register(call, key, step, (grad_scales(call, scales), budget_bytes))
+                 budget_bytes: int, rows: Optional[Tensor] = None) -> int:
+        """Hook one call; ``rows``: the sampled query positions its forward statistics used
+        (``None``: every row), for the ``grad_logits`` estimate (:func:`grad_logits_stats`)."""
+        return self.hooks.register(call, key, step, (grad_scales(call, scales), budget_bytes, rows))
 
     def defer(self, module: nn.Module, key: SiteKey, step: int,
               scales_for: Callable[[AttentionCall], Mapping[str, Optional[Scale]]], budget_bytes: int,
               frontends: Sequence[Any]) -> None:
-        def payload(call: AttentionCall) -> Tuple[Dict[str, Optional[Scale]], int]:
-            return grad_scales(call, scales_for(call)), budget_bytes
+        def payload(call: AttentionCall) -> Tuple[Dict[str, Optional[Scale]], int, None]:
+            return grad_scales(call, scales_for(call)), budget_bytes, None  # recomputed: every row
 
         self.hooks.step = step
         self.recompute.defer(module, key, step, frontends, payload)
@@ -127,13 +129,13 @@ class GradHooks:
 
     def _on_logits(self, record: AttentionCall, key: Hashable, step: int, payload: Any, grad: Tensor,
                    from_probs: bool) -> None:
-        scales, budget = payload
+        scales, budget, rows = payload
         if not scales:
             return
         if from_probs:
             fields = grad_logits_stats(record, None, scales, budget, grad_probs=grad)
         else:
-            fields = grad_logits_stats(record, grad, scales, budget)
+            fields = grad_logits_stats(record, grad, scales, budget, rows=rows)
         if fields:
             self._add(key, step, fields)
 
@@ -225,12 +227,14 @@ class Recorder:
             self._warn(f"probe: skipped an attention call at {call.site!r}: {err}")
             return
         scales = self.scales_for(call)
+        length = call.q.shape[2]
+        # the query rows of the exponential metrics, forward and backward (None: every row)
+        rows = None if self.rows is None or length <= self.rows else sample_rows(length, self.rows, self._row_generator)
         with torch.no_grad():
             if call.logits is not None:  # an eager softmax whose scale is unknown: `actual` only
                 fields = self._unknown_scale_stats(call)
             else:
-                fields = forward_stats(call, scales, self.saturation, self.memory_budget,
-                                       rows=self.rows, generator=self._row_generator)
+                fields = forward_stats(call, scales, self.saturation, self.memory_budget, rows=rows)
         if not fields:
             return
         if isinstance(call.scale, Tensor):
@@ -238,7 +242,7 @@ class Recorder:
         key = (name, index)
         self.acc.add(key, fields)
         if self.grads and torch.is_grad_enabled():
-            self.grad_hooks.register(call, key, self.step, scales, self.memory_budget)
+            self.grad_hooks.register(call, key, self.step, scales, self.memory_budget, rows)
         elif self.grads and self.grad_hooks.root_grad:  # no_grad inside a training forward: reentrant checkpoint
             module = self.model.get_submodule(name) if name != "root" else self.model
             self.grad_hooks.defer(module, key, self.step, self.scales_for, self.memory_budget, self.frontends)
@@ -251,7 +255,7 @@ class Recorder:
                                               scale_from=call.scale_from)
         if self.rows is not None and call.q.shape[2] > self.rows:
             info.rows = (f"{self.rows} of {call.q.shape[2]} query rows sampled for entropy, max_prob, "
-                         "saturation: estimates, standard errors in *_se; logit_var, logit_max exact")
+                         "saturation, grad_logits: estimates, standard errors in *_se; logit_var, logit_max exact")
         if not isinstance(call.scale, Tensor):
             info.scale = None if call.scale is None else float(call.scale)
         info.calls += 1

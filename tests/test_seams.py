@@ -106,7 +106,7 @@ def test_schedule_is_a_pure_function_of_the_step():
 def test_the_catalogue_declares_every_metric_once_in_report_order():
     assert METRIC_ORDER == ("logit_var", "logit_max", "entropy", "max_prob", "saturation", "nonfinite",
                             "grad_logits", "grad_q", "grad_k", "grad_v",
-                            "entropy_se", "max_prob_se", "saturation_se")  # the last three with rows=
+                            "entropy_se", "max_prob_se", "saturation_se", "grad_logits_se")  # the last four with rows=
     assert len({m.field for m in METRICS}) == len(METRICS)
     assert NAN_MEANS_NO_DATA == {"logit_var", "logit_max", "entropy", "max_prob", "saturation",
                                  "entropy_se", "max_prob_se", "saturation_se"}

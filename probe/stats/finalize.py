@@ -28,7 +28,7 @@ def finalize(state: State) -> Dict[str, Dict[str, np.ndarray]]:
     ``grad_steps`` probed steps whose backward reached the site (a state field), reported as the root mean square
     over those steps, ``sqrt(Σ / grad_steps)``: one step gives that step's norm, and the run
     value does not grow with the run's length (a threshold means the same on a short and a long
-    run). A metric with nothing to average (no valid entry or row) is NaN, never 0.
+    run); ``grad_logits_se`` (sampled rows) is its standard error, to first order. A metric with nothing to average (no valid entry or row) is NaN, never 0.
     """
     out: Dict[str, Dict[str, np.ndarray]] = {}
     rows = state.get("rows")
@@ -61,6 +61,11 @@ def finalize(state: State) -> Dict[str, Dict[str, np.ndarray]]:
             res = torch.where(r > 0, v.clamp(min=0).sqrt() / r.clamp(min=1), torch.nan)
         elif metric.final == "root":
             res = (v.clamp(min=0) / max(grad_steps, 1)).sqrt()
+        elif metric.final == "root_se":
+            # ``g = sqrt(T / s)`` from an estimated total ``T`` with variance ``V``: to first
+            # order ``se(g) = sqrt(V) / s / (2g) = sqrt(V) / (2 sqrt(T·s))``
+            total = state[f"{name[: -len('_var')]}_sq@{scale}"].detach().to("cpu", torch.float64).clamp(min=0)
+            res = torch.where(total > 0, v.clamp(min=0).sqrt() / (2 * (total * max(grad_steps, 1)).sqrt()), 0.0)
         else:
             res = v
         out.setdefault(metric.name, {})[scale] = res.numpy()

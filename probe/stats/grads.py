@@ -164,6 +164,7 @@ def grad_logits_stats(
     budget_bytes: int = 64 * 2**20,
     *,
     grad_probs: Optional[Tensor] = None,
+    rows: Optional[Tensor] = None,
 ) -> Dict[str, Tensor]:
     """``grad_logits_sq@{scale}`` for every scale: per-head sums of squares of ``∂L/∂Z^σ``.
 
@@ -180,6 +181,11 @@ def grad_logits_stats(
         budget_bytes: extra memory one chunk may use.
         grad_probs: ``∂L/∂P`` in any layout with ``B·H·L·S`` elements (an eager softmax output
             may be ``(B·H, L, S)``).
+        rows: sorted CPU positions of sampled query rows (the ``rows=`` budget, the positions
+            the forward statistics used), or ``None`` for every row. Sampled, the common case
+            (:func:`~probe.stats.shifted.grad_logits_shifted`) forms only those rows and reports
+            Horvitz-Thompson estimates of the sums, with their variances in
+            ``grad_logits_var@{scale}``; other calls (bias, softcap, ``grad_probs``) stay exact.
 
     Returns:
         ``{"grad_logits_sq@{name}": (H,) tensor}`` in the accumulation dtype; empty when the call
@@ -225,10 +231,14 @@ def grad_logits_stats(
     if groups and not own_logits and grad_probs is None and shiftable(call, values):  # type: ignore[arg-type]
         # the common case (no bias, no softcap, positive float scales): shared shifted logits,
         # one exp2 per scale, cache-sized chunks (probe.stats.functional.grad_logits_shifted)
-        parts = grad_logits_shifted(call, dout, vt, [float(v) for v in values], budget_bytes, acc,  # type: ignore[arg-type]
-                                    grad_scale=gs)
+        parts, variances = grad_logits_shifted(call, dout, vt, [float(v) for v in values], budget_bytes,  # type: ignore[arg-type]
+                                               acc, grad_scale=gs, positions=rows)
         unscale = gs.to(acc).square()
-        return {f"grad_logits_sq@{name}": part / unscale for names, part in zip(groups.values(), parts) for name in names}
+        fields = {f"grad_logits_sq@{name}": part / unscale for names, part in zip(groups.values(), parts) for name in names}
+        if variances is not None:
+            fields.update({f"grad_logits_var@{name}": var / unscale.square()
+                           for names, var in zip(groups.values(), variances) for name in names})
+        return fields
 
     # iter_chunks sizes its chunks for the forward's live buffers; ask it for the row count that
     # keeps the backward's larger set of buffers within the budget.

@@ -16,7 +16,7 @@ from torch import Tensor
 from probe.call import AttentionCall
 from probe.stats.chunks import _iter, all_finite, cache_chunk_rows
 
-__all__ = ["causal_upper", "grad_logits_shifted", "mask_", "shifted_reduce", "shifted_rows"]
+__all__ = ["causal_upper", "grad_logits_shifted", "mask_", "shifted_reduce", "shifted_rows", "total_variance"]
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -173,7 +173,7 @@ def shifted_reduce(exact: List[Tensor], soft_rows: List[Tensor], scales: Sequenc
         per_row = (entropy, max_prob, saturated)
         soft.append(torch.stack([n_ok] + [v.sum(dims, dtype=acc) * weight for v in per_row]))
         if length is not None:
-            variances.append(torch.stack([_total_variance(v, length) for v in per_row]).to(acc))
+            variances.append(torch.stack([total_variance(v, length) for v in per_row]).to(acc))
         if i == 0:
             row_lse = lse + sigma * r_s
             bad_rows = torch.isnan(row_lse) | (row_lse == math.inf)
@@ -182,7 +182,7 @@ def shifted_reduce(exact: List[Tensor], soft_rows: List[Tensor], scales: Sequenc
     return moments, torch.stack(soft), nonfinite, var  # type: ignore[return-value]
 
 
-def _total_variance(per_row: Tensor, length: int) -> Tensor:
+def total_variance(per_row: Tensor, length: int) -> Tensor:
     """Estimated variance of the Horvitz-Thompson total of ``per_row`` ``(B, H, N)`` over
     ``N`` of ``length`` positions drawn without replacement: ``L²(1 − N/L)/N · S_y²``, ``S_y²``
     the sample variance of the per-position batch sums (0 when ``N < 2``)."""
@@ -199,7 +199,8 @@ _BACKWARD_LIVE_BUFFERS = 8
 
 
 def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: Sequence[float],
-                         budget_bytes: int, acc: torch.dtype, grad_scale: Optional[Tensor] = None) -> List[Tensor]:
+                         budget_bytes: int, acc: torch.dtype, grad_scale: Optional[Tensor] = None,
+                         positions: Optional[Tensor] = None) -> Tuple[List[Tensor], Optional[List[Tensor]]]:
     """Per-head ``Σ (∂L/∂Z^σ)²`` for positive float scales without bias or softcap (the common
     case), one tensor per scale in ``values``.
 
@@ -218,27 +219,45 @@ def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: S
         acc: the accumulation dtype.
         grad_scale: a factor applied to each chunk of ``dout`` (the sums come out multiplied by
             its square; :func:`probe.stats.grads.grad_scale` keeps a huge gradient from overflowing).
+        positions: sorted CPU positions of sampled query rows (the ``rows=`` budget), or ``None``
+            for every row. Only those rows' ``q·kᵀ`` and ``dP`` are formed: the cost is
+            proportional to their number.
+
+    Returns:
+        ``(sums, variances)``: per scale, the per-head sum over every row, or with
+        ``positions`` its Horvitz-Thompson estimate (weight ``L/N``) and, in ``variances``, the
+        estimate's variance (:func:`total_variance`); ``variances`` is ``None`` for every row.
 
     Pitfall: a fully masked row has ``Σe = 0`` and contributes 0; a NaN row stays NaN.
     """
     batch, heads, length, _ = call.q.shape
     keys, kv_heads = call.k.shape[2], call.kv_heads
     vt = vt.transpose(-1, -2).contiguous().transpose(-1, -2)  # once, not per chunk (as k in _iter)
+    if positions is not None and positions.shape[0] >= length:
+        positions = None
     if batch * heads * length * keys == 0:
-        return [torch.zeros(heads, dtype=acc, device=call.q.device) for _ in values]
+        return [torch.zeros(heads, dtype=acc, device=call.q.device) for _ in values], None
+    total = length if positions is None else positions.shape[0]
     step = min(max(1, budget_bytes // max(1, batch * heads * keys * 4 * _BACKWARD_LIVE_BUFFERS)),
-               cache_chunk_rows(batch, heads, keys), length)  # never above the rows there are
-    last = [min(length, r0 + step) - 1 for r0 in range(0, length, step)] if call.causal else None
-    block = call.causal and call.mask is None
+               cache_chunk_rows(batch, heads, keys), total)  # never above the rows there are
+    starts = range(0, total, step)
+    last = None
+    if call.causal:  # the last query of each chunk, on the host
+        ends = [min(total, r0 + step) - 1 for r0 in starts]
+        last = ends if positions is None else [int(positions[i]) for i in ends]
+    block = call.causal and call.mask is None and positions is None
     upper = causal_upper(step, call.q.device) if block else None
     sums = [torch.zeros(heads, dtype=acc, device=call.q.device) for _ in values]
-    work = torch.empty(3 * batch * heads * min(step, length) * keys, device=call.q.device)
+    per_row: List[List[Tensor]] = [[] for _ in values]  # sampled: (H, rows) batch sums per chunk
+    work = torch.empty(3 * batch * heads * step * keys, device=call.q.device)
+    picked = None if positions is None else positions.to(call.q.device, non_blocking=True)
     r0 = 0
-    for R, valid, _ in _iter(call, step, reuse=True, last=last, causal_mask=not block):
+    for R, valid, _ in _iter(call, step, picked, reuse=True, last=last, causal_mask=not block):
         rows, cols = R.shape[2], R.shape[3]
         n = R.numel()
         dP, e, t = (work[i * n : (i + 1) * n].view(R.shape) for i in range(3))
-        dc, vc = dout[:, :, r0 : r0 + rows].float(), vt[..., :cols]
+        dc = dout[:, :, r0 : r0 + rows] if picked is None else dout.index_select(2, picked[r0 : r0 + rows])
+        dc, vc = dc.float(), vt[..., :cols]
         if grad_scale is not None:
             dc = dc * grad_scale
         if kv_heads != heads:
@@ -256,6 +275,16 @@ def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: S
             se = e.sum(-1)
             c = torch.mul(e, dP, out=t).sum(-1, keepdim=True) / se.unsqueeze(-1)
             g2 = torch.linalg.vector_norm(torch.sub(dP, c, out=t).mul_(e), dim=-1).square() / se.square()
-            sums[i] = sums[i] + torch.where(se == 0, 0.0, g2).sum((0, 2), dtype=acc)
+            g2 = torch.where(se == 0, 0.0, g2)
+            if positions is None:
+                sums[i] = sums[i] + g2.sum((0, 2), dtype=acc)
+            else:
+                per_row[i].append(g2)
         r0 += rows
-    return sums
+    if positions is None:
+        return sums, None
+    # Horvitz-Thompson totals over the sampled rows, and each total's estimated variance
+    rows_all = [torch.cat(parts, dim=-1) for parts in per_row]
+    weight = length / total
+    return ([r.sum((0, 2), dtype=acc) * weight for r in rows_all],
+            [total_variance(r, length).to(acc) for r in rows_all])
