@@ -260,8 +260,8 @@ def reading(results: Dict[str, Dict[str, Any]], d_k: int) -> str:
         lines[-1] += f", and {_ratio_words(r_last, False)} at step {last} (max logit {m_last:,.0f})."
     else:
         lines[-1] += "."
-    lines.append(f"  Loss {unscaled['first_loss']:.2f} -> {unscaled['loss']:.2f} without the divisor, "
-                 f"{scaled['first_loss']:.2f} -> {scaled['loss']:.2f} with it.")
+    lines.append(f"  Loss {unscaled['first_loss']:.3f} -> {unscaled['loss']:.3f} without the divisor, "
+                 f"{scaled['first_loss']:.3f} -> {scaled['loss']:.3f} with it.")
     return "\n".join(lines)
 
 
