@@ -202,7 +202,8 @@ def fresh_logdir(path: str) -> str:
     fresh = f"{base}-{n}"
     warnings.warn(f"probe: {path!r} already holds a run ({SUMMARY_FILE}); this run writes to {fresh!r} so that "
                   f"the two runs' steps never mix (to continue a run there, pass "
-                  f"logdir=SummaryWriter({path!r}) instead)", RuntimeWarning, stacklevel=4)
+                  f"logdir=SummaryWriter({path!r}) instead)",
+                  RuntimeWarning, stacklevel=5)  # points at the caller of probe.watch
     return fresh
 
 
