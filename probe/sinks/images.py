@@ -111,6 +111,31 @@ def _font(size: int):  # -> PIL font; cached: loading the TrueType font costs mo
         return ImageFont.load_default()
 
 
+@functools.lru_cache(maxsize=4096)
+def _text_length(text: str, size: int) -> float:
+    from PIL import Image, ImageDraw
+
+    return float(ImageDraw.Draw(Image.new("RGB", (1, 1))).textlength(text, font=_font(size)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _text_mask(text: str, size: int):  # -> PIL "L" image: the text's coverage, drawn once
+    from PIL import Image, ImageDraw
+
+    font = _font(size)
+    right, bottom = font.getbbox(text)[2:]
+    mask = Image.new("L", (max(1, int(right)), max(1, int(bottom))), 0)
+    ImageDraw.Draw(mask).text((0, 0), text, fill=255, font=font)
+    return mask
+
+
+def _text(img, xy: Tuple[float, float], text: str, size: int, fill: Tuple[int, int, int]) -> None:
+    """Draw ``text`` at ``xy`` from a cached rendering: labels, ticks and notes repeat in every
+    heatmap of every flush, and rasterizing them was half of a heatmap's cost."""
+    mask = _text_mask(text, size)
+    img.paste(fill, (int(round(xy[0])), int(round(xy[1]))), mask)
+
+
 def _fmt_tick(v: float) -> str:
     if v == 0:
         return "0"
@@ -148,31 +173,30 @@ def render_heatmap(
         raise ValueError(f"expected `grid` of shape (len(sites)={len(sites)}, heads), got {grid.shape}")
     n_sites, n_heads = grid.shape
     cs = colour_scale(metric)
-    font, small = _font(13), _font(11)
+    font = _font(13)
     cw = int(min(36, max(8, 560 // max(n_heads, 1))))
     ch = int(min(24, max(4, 640 // max(n_sites, 1))))
     labels = [_shorten(s) for s in sites]
     text_h = 14
     label_every = max(1, math.ceil(text_h / ch))
-    probe_draw = ImageDraw.Draw(Image.new("RGB", (1, 1)))
-    label_w = max([probe_draw.textlength(t, font=small) for t in labels] + [40])
+    label_w = max([_text_length(t, 11) for t in labels] + [40])
 
     left = int(label_w) + 14
     top = 60
     bar_gap, bar_w = 18, 16
     grid_w, grid_h = n_heads * cw, n_sites * ch
-    tick_w = max(probe_draw.textlength(_fmt_tick(t), font=small) for t in cs.ticks)
+    tick_w = max(_text_length(_fmt_tick(t), 11) for t in cs.ticks)
     width = left + grid_w + bar_gap + bar_w + 8 + int(tick_w) + 10
     bar_h = max(grid_h, 120)
     height = top + max(bar_h, grid_h + 34) + 12
     title = f"{metric} @ {scale}, step {step}"
     note = f"fixed range [{_fmt_tick(cs.lo)}, {_fmt_tick(cs.hi)}] {cs.transform}, grey = none"
-    width = max(width, int(probe_draw.textlength(title, font=font)) + 16, int(probe_draw.textlength(note, font=small)) + 16)
+    width = max(width, int(_text_length(title, 13)) + 16, int(_text_length(note, 11)) + 16)
 
     img = Image.new("RGB", (width, height), _BACKGROUND)
     draw = ImageDraw.Draw(img)
     draw.text((8, 6), title, fill=_INK, font=font)
-    draw.text((8, 24), note, fill=(90, 90, 90), font=small)
+    _text(img, (8, 24), note, 11, (90, 90, 90))
 
     cells = colourize(grid, cs)  # (S, H, 3)
     block = np.repeat(np.repeat(cells, ch, axis=0), cw, axis=1)
@@ -189,16 +213,16 @@ def render_heatmap(
     head_every = max(1, math.ceil(22 / cw))
     for h in range(0, n_heads, head_every):
         t = str(h)
-        x = left + h * cw + (cw - probe_draw.textlength(t, font=small)) / 2
-        draw.text((x, top + grid_h + 3), t, fill=_INK, font=small)
-    head_label_x = left + (grid_w - probe_draw.textlength("head", font=small)) / 2
-    draw.text((head_label_x, top + grid_h + 18), "head", fill=(90, 90, 90), font=small)
+        x = left + h * cw + (cw - _text_length(t, 11)) / 2
+        _text(img, (x, top + grid_h + 3), t, 11, _INK)
+    head_label_x = left + (grid_w - _text_length("head", 11)) / 2
+    _text(img, (head_label_x, top + grid_h + 18), "head", 11, (90, 90, 90))
     for s in range(0, n_sites, label_every):
         t = labels[s]
-        x = left - 6 - probe_draw.textlength(t, font=small)
+        x = left - 6 - _text_length(t, 11)
         y = top + s * ch + (ch - text_h) / 2
-        draw.text((x, y), t, fill=_INK, font=small)
-    draw.text((8, top - 16), "site", fill=(90, 90, 90), font=small)
+        _text(img, (x, y), t, 11, _INK)
+    _text(img, (8, top - 16), "site", 11, (90, 90, 90))
 
     # colour bar, low at the bottom
     bx, by = left + grid_w + bar_gap, top
@@ -210,7 +234,7 @@ def render_heatmap(
         p = float(cs.position(np.array([tick]))[0])
         y = by + (1.0 - p) * (bar_h - 1)
         draw.line([(bx + bar_w, y), (bx + bar_w + 4, y)], fill=_INK)
-        draw.text((bx + bar_w + 7, y - 7), _fmt_tick(tick), fill=_INK, font=small)
+        _text(img, (bx + bar_w + 7, y - 7), _fmt_tick(tick), 11, _INK)
     return np.asarray(img, dtype=np.uint8)
 
 

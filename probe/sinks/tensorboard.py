@@ -68,6 +68,26 @@ def custom_scalars_layout(metric_sites: Dict[str, List[str]]) -> Dict[str, Dict[
     }
 
 
+def _add_image(w: Any, tag: str, image: np.ndarray, step: int) -> None:
+    """``w.add_image(tag, image, step, dataformats="HWC")`` for a uint8 RGB image, PNG-encoded at
+    zlib level 1 when ``w`` is torch's ``SummaryWriter``: its own encoder (level 6, after a float
+    round trip and a resize to the same size) took 2.4 times as long for files 5 % smaller."""
+    file_writer = getattr(w, "_get_file_writer", None)
+    if file_writer is None:  # another writer class: its own add_image
+        w.add_image(tag, image, step, dataformats="HWC")
+        return
+    import io
+
+    from PIL import Image
+    from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
+
+    buffer = io.BytesIO()
+    Image.fromarray(image, "RGB").save(buffer, format="PNG", compress_level=1)
+    encoded = SummaryProto.Image(height=image.shape[0], width=image.shape[1], colorspace=3,
+                                 encoded_image_string=buffer.getvalue())
+    file_writer().add_summary(SummaryProto(value=[SummaryProto.Value(tag=tag, image=encoded)]), step)
+
+
 class TensorBoardSink:
     """Writes each flush to TensorBoard (see the module docstring for the tags).
 
@@ -178,7 +198,7 @@ class TensorBoardSink:
             if self.images:
                 grid, _ = grid_of([v for _, v in rows])
                 image = render_heatmap(grid, [tags.printable(s) for s, _ in rows], metric, scale, step)
-                w.add_image(tags.heatmap_tag(metric, scale), image, step, dataformats="HWC")
+                _add_image(w, tags.heatmap_tag(metric, scale), image, step)
             if self.histograms:
                 values = np.concatenate([v for _, v in rows])
                 values = values[np.isfinite(values)]
