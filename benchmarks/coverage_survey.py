@@ -327,7 +327,7 @@ def _xt(kw: Dict[str, Any]) -> Tuple[nn.Module, tuple, dict]:
 _TIMM: List[Tuple[str, Dict[str, Any]]] = [
     ("vit_tiny_patch16_224", dict(img_size=64)), ("swin_tiny_patch4_window7_224", {}), ("convit_tiny", dict(img_size=64)),
     ("cait_xxs24_224", dict(img_size=64, depth=4)), ("levit_128s", dict(img_size=64)), ("twins_svt_small", {}),
-    ("pvt_v2_b0", dict(img_size=64)), ("xcit_nano_12_p16_224", dict(img_size=64)), ("beit_base_patch16_224",
+    ("pvt_v2_b0", {}), ("xcit_nano_12_p16_224", dict(img_size=64)), ("beit_base_patch16_224",
     dict(img_size=64, depth=2)), ("eva02_tiny_patch14_224", dict(img_size=56)), ("nest_tiny", dict(img_size=64)),
     ("gcvit_xxtiny", {}), ("volo_d1_224", dict(img_size=64)), ("mvitv2_tiny", {}), ("coat_tiny", dict(img_size=64)),
     ("crossvit_tiny_240", {}), ("efficientformer_l1", {}), ("tnt_s_patch16_224", dict(img_size=64)),
