@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from probe.capture.eager_scores import (
     Meta,
+    Moved,
     Pending,
     Scores,
     einsum_pair,
@@ -316,6 +317,29 @@ class Products:
         base = meta.base * m if how == "multiplied by" else meta.base / m
         self._set(out, dataclasses.replace(meta, base=base, src=None, whole=None, kv=None))
 
+    def _move_probs(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], record: Any, out: Tensor) -> None:
+        """Probabilities permuted on their way to ``P @ v`` (and permuted back): followed as
+        :class:`Moved` until their layout is the original one again."""
+        x = args[0]
+        if func not in (torch.permute, torch.Tensor.permute, torch._C.TensorBase.permute) or out.dim() != x.dim():
+            return
+        dims = args[1:] if len(args) > 2 or not isinstance(args[1] if len(args) > 1 else None, (list, tuple)) else args[1]
+        dims = tuple(kwargs.get("dims", dims))
+        if len(dims) != x.dim() or not all(isinstance(d, int) for d in dims):
+            return
+        dims = tuple(d % x.dim() for d in dims)
+        perm = record.perm if isinstance(record, Moved) else tuple(range(x.dim()))
+        pending = record.pending if isinstance(record, Moved) else record
+        new = tuple(perm[d] for d in dims)
+        self._set(out, pending if new == tuple(range(x.dim())) else Moved(pending, new))
+
+    def _on_norm(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
+        """A norm of the probabilities on their way to ``P @ v`` (DeepViT's re-attention norm over
+        the heads) keeps them there: v, and so ``grad_v``, are still found."""
+        record = self._get(args[0]) if args else None
+        if isinstance(record, (Pending, Moved)) and isinstance(out, Tensor) and out.shape == args[0].shape:
+            self._set(out, record)
+
     def _linear_sum(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
         """``a + b`` / ``a - b`` of two prescaled tensors with one factor (the two halves of a
         rotary embedding); a number or an unscaled tensor added is not linear in the factor."""
@@ -342,6 +366,9 @@ class Products:
             return a
 
         first = self._get(args[0]) if args else None
+        if isinstance(first, (Pending, Moved)) and isinstance(out, Tensor):
+            self._move_probs(func, args, kwargs, first, out)
+            return
         if not (isinstance(first, Meta) and first.base is not None) and not (
                 args and isinstance(args[0], (list, tuple)) and args[0] and isinstance(self._get(args[0][0]), Meta)):
             return  # the common case, without building anything

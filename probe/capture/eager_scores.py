@@ -18,7 +18,7 @@ from torch import Tensor
 
 from probe.call import AttentionCall
 
-__all__ = ["MASK_FILL", "Meta", "Pending", "Scores", "factor", "handler_names", "heads_of", "lift", "number", "permuted",
+__all__ = ["MASK_FILL", "Meta", "Moved", "Pending", "Scores", "factor", "handler_names", "heads_of", "lift", "number", "permuted",
            "repeat_kv", "rescaled", "reshaped", "scaled", "to_call", "grad_map"]
 
 #: A fill value at or below this masks an entry (``exp`` of it underflows to 0 in float32).
@@ -60,6 +60,16 @@ class Meta:
     kv: Optional[Tensor] = None  # the (B, Hk, n, d) tensor this one repeats per group (repeat_kv)
     factor_t: Optional[Tensor] = None  # a one-element tensor factor (kept on its device: no sync)
     how: str = ""  # how the factor was applied, in words (info["scale_from"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Moved:
+    """Probabilities on their way to ``P @ v`` with their dims permuted (``perm`` of the
+    :class:`Pending` layout): DeepViT normalises them over the heads as ``(b, i, j, h)``. Only a
+    permutation back to the original layout makes them probabilities again."""
+
+    pending: "Pending"
+    perm: Tuple[int, ...]
 
 
 @dataclasses.dataclass
@@ -128,6 +138,7 @@ def handler_names() -> Dict[Callable[..., Any], str]:
         ("clamp clamp_ clamp_min maximum", (torch.clamp, torch.clamp_min, torch.max, torch.maximum), "_on_floor"),
         ("__rsub__ __rdiv__", (F.conv1d, F.linear, torch.conv1d), "_on_other"),
         ("", (F.conv2d, torch.conv2d), "_on_conv"),
+        ("", (F.layer_norm, torch.layer_norm), "_on_norm"),
         ("softmax", (torch.softmax, F.softmax), "_on_softmax"),
     ):
         methods = [getattr(cls, n) for n in names.split() for cls in (torch._C.TensorBase, Tensor) if hasattr(cls, n)]

@@ -380,7 +380,7 @@ def test_a5_a_mix_probe_cannot_describe_is_reported_at_actual_with_a_warning() -
     assert any("blocks.0" in w and "`actual` only" in w for w in warned), warned
 
 
-# -- D: probabilities changed after the softmax by an op probe does not follow (DeepViT) -------------
+# -- D: probabilities changed after the softmax (DeepViT's re-attention) ------------------------------
 def core_reattention(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     p = keep(m, (q @ k.transpose(-1, -2) * S0).softmax(-1))
     p = torch.einsum("bhij,hg->bgij", p, torch.eye(H) + 0.1)  # re-attention: heads mixed after the softmax
@@ -388,8 +388,19 @@ def core_reattention(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return p @ v
 
 
-def test_d_probabilities_lost_after_the_softmax_warn_that_grad_v_is_missing() -> None:
+def test_d_reattention_norm_over_heads_keeps_grad_v() -> None:
     net, s, warned = run(core_reattention)
+    check(net, s, S0)
+    assert not warned, warned
+
+
+def core_lost_probs(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    p = keep(m, (q @ k.transpose(-1, -2) * S0).softmax(-1))
+    return p.sqrt() @ v  # an op probe does not follow: v is not found
+
+
+def test_d_probabilities_lost_after_the_softmax_warn_that_grad_v_is_missing() -> None:
+    net, s, warned = run(core_lost_probs)
     check(net, s, S0, grads=False)
     assert "grad_v" not in s.metrics("blocks.0")
     assert any("blocks.0" in w and "grad_v is not measured" in w for w in warned), warned
