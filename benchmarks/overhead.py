@@ -13,6 +13,8 @@ Llama, SDPA, 4 layers, hidden 256, 8 heads / 2 kv heads, batch 1, seq 1024, caus
   per step.
 - ``plain`` (``--plain``): a straightforward implementation of the same statistics, written
   below: full logits and a separate softmax per scale, ``.item()`` per head and metric.
+- ``every=1,rows=N`` (``--rows N``): every step probed with a budget of N sampled query rows
+  for the exponential metrics and ``grad_logits`` (estimates with standard errors).
 - ``before:...`` (``--before MODULE``): the same arms with another version of probe imported
   under another name (``benchmarks/before.sh`` makes one from a git commit), side by side.
 
@@ -166,7 +168,7 @@ class Arms:
     """Arm name -> a function running one round and returning seconds per step."""
 
     def __init__(self, workload: str, seq: int, batch: int, plain: bool, before: Optional[str],
-                 tmp: str) -> None:
+                 tmp: str, rows: Optional[int] = None) -> None:
         w = build(workload, seq, batch)
         self.description = w.description
         self.step = w.step
@@ -177,6 +179,11 @@ class Arms:
             impls.append(("before:", importlib.import_module(before)))
         for prefix, impl in impls:
             self._probe_arms(prefix, impl, w.model, tmp)
+        if rows:  # the sampled option, this version only
+            model = copy.deepcopy(w.model)
+            p = probe.watch(model, every=1, rows=rows)
+            self.probes.append(p)
+            self.arms[f"every=1,rows={rows}"] = self._timed(model, 1, p)
         if plain:
             self.plain = PlainStats()
             model = copy.deepcopy(w.model)
@@ -227,9 +234,9 @@ def close_time(workload: str, seq: int, batch: int, steps: int, tmp: str) -> flo
 
 
 def run_workload(workload: str, seq: int, batch: int, rounds: int, warmup: int, plain: bool,
-                 before: Optional[str], close_steps: int) -> Dict[str, Any]:
+                 before: Optional[str], close_steps: int, rows: Optional[int] = None) -> Dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        arms = Arms(workload, seq, batch, plain, before, tmp)
+        arms = Arms(workload, seq, batch, plain, before, tmp, rows)
         times: Dict[str, List[float]] = {name: [] for name in arms.arms}
         for r in range(warmup + rounds):
             order = list(arms.arms)
@@ -277,6 +284,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--batch", type=int, default=0, help="batch size (0: the workload's)")
     parser.add_argument("--plain", action="store_true", help="add the plain reference arm")
     parser.add_argument("--before", default=None, help="module name of another probe version to run side by side")
+    parser.add_argument("--rows", type=int, default=None, help="add an every=1 arm with this rows= budget")
     parser.add_argument("--close", type=int, default=100, help="probed steps before timing close() (0: skip)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--threads", type=int, default=None,
@@ -288,7 +296,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     results = []
     for workload in args.workload:
         for seq in args.seq:
-            res = run_workload(workload, seq, args.batch, rounds, 2, args.plain, args.before, args.close)
+            res = run_workload(workload, seq, args.batch, rounds, 2, args.plain, args.before, args.close, args.rows)
             print_result(res)
             sys.stdout.flush()
             results.append(res)

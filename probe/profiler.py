@@ -53,9 +53,9 @@ class Probe:
         memory_budget: bytes of extra memory the statistics of one call may use (rows in chunks).
         sinks: extra sinks receiving each flush (see :class:`probe.sinks.base.Sink`).
         rows: a budget of query rows for the exponential metrics of long sequences: ``entropy``,
-            ``max_prob``, ``saturation`` of a call with more than ``rows`` query rows are computed on
-            ``rows`` positions drawn uniformly (seeded, reproducible), unbiased, with standard errors
-            ``entropy_se``, ``max_prob_se``, ``saturation_se``; ``logit_var``, ``logit_max`` and
+            ``max_prob``, ``saturation`` and ``grad_logits`` of a call with more than ``rows`` query
+            rows are computed on ``rows`` positions drawn uniformly (seeded, reproducible), unbiased,
+            with standard errors ``entropy_se``, ..., ``grad_logits_se``; ``logit_var``, ``logit_max`` and
             counts stay exact (docs/performance.md); info gets ``"rows"``. ``None``: all exact.
         close_timeout: seconds :meth:`close` waits for the sinks (a sink still busy: warned, left behind).
         group: under ``torch.distributed``, the process group whose ranks' statistics are reduced
