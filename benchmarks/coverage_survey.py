@@ -377,7 +377,8 @@ def check(name: str, build: Callable[[], Tuple[nn.Module, tuple, dict]], expecte
     for row in report.rows:
         issue = []
         if not row.captured:
-            issue.append("missed" if "reported under" not in row.why else "misnamed")
+            issue.append(("missed" if "reported under" not in row.why else "misnamed")
+                         + (f" ({row.why.split(' (')[0]})" if row.why else ""))
         else:
             if row.scale is None:
                 issue.append("scale unknown")
@@ -514,7 +515,8 @@ def write_docs(path: str, json_paths: List[str]) -> None:
     for jp in json_paths:
         with open(jp) as f:
             data = json.load(f)
-        used.append(data["versions"])
+        if data["versions"] not in used:
+            used.append(data["versions"])
         for rs in data["results"].values():
             for r in rs:
                 runs[r["name"]] = r  # a case run under two environments: the later file wins
