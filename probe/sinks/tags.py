@@ -11,7 +11,8 @@ scalar             ``probe.{metric}/{scale}/{site}``           head mean (max fo
 scalar             ``probe.{metric}/{scale}/{site}/head{h:02d}``  one head (``per_head=True``)
 image              ``probe.{metric}.heatmap/{scale}``          sites × heads heatmap
 histogram          ``probe.{metric}.hist/{scale}``             all heads of all sites
-custom scalars     category ``probe.{metric}``, a chart a site  every scale on one pair of axes
+custom scalars     category ``probe.{metric}``, a chart a site  actual as a line in a band from
+                                                               standard to unscaled (a Margin chart)
 text               ``probe.sites``                             the detected sites
 =================  ==========================================  ======================================
 
@@ -23,12 +24,13 @@ writer; reading a tag back decodes the raw name, which the summary keeps.
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple, Optional
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 from probe.names import decode_name, encode_name, printable
 
 __all__ = [
-    "SITES_TAG", "ScalarTag", "category", "decode_name", "encode_name", "heatmap_tag", "histogram_tag",
+    "SITES_TAG", "ScalarTag", "category", "custom_scalars_layout", "decode_name", "encode_name", "heatmap_tag",
+    "histogram_tag",
     "parse_scalar_tag", "printable", "scalar_tag", "scale_label",
 ]
 
@@ -56,6 +58,40 @@ def histogram_tag(metric: str, scale: str) -> str:
 def category(metric: str) -> str:
     """The custom-scalars category of a metric (the same name as its scalar group)."""
     return f"{PREFIX}{metric}"
+
+
+#: The scales of a Margin chart: (line, band edge, band edge).
+BAND = ("actual", "standard", "unscaled")
+
+
+def custom_scalars_layout(metric_sites: Mapping[str, List[str]],
+                          scales: Optional[Mapping[Tuple[str, str], Iterable[str]]] = None) -> Dict[str, Dict[str, List[Any]]]:
+    """The ``SummaryWriter.add_custom_scalars`` layout: one category per metric, one chart per site.
+
+    A site with the three built-in scales of a metric (``scales[(metric, site)]``) gets a Margin
+    chart: ``actual`` as a line in a band from ``standard`` to ``unscaled``, each in its run's
+    colour (TensorBoard colours by run, so a Multiline chart of the three could tell the scales
+    apart by marker shape only). Extra named scales add a Multiline chart of every scale
+    (``{site}: every scale``); a metric with fewer scales (``grad_q``: actual only) gets the
+    Multiline chart alone. Without ``scales``, Multiline charts only.
+
+    Pitfall: the Multiline regex escapes site names (``.``, ``#``) and ends in ``$``, so the
+    ``/headNN`` scalars of ``per_head=True`` stay out of the chart.
+    """
+    layout: Dict[str, Dict[str, List[Any]]] = {}
+    for metric, sites in metric_sites.items():
+        charts = layout.setdefault(category(metric), {})
+        for site in sites:
+            have = set(scales.get((metric, site), ())) if scales is not None else set()
+            multiline = ["Multiline", [f"^{re.escape(category(metric))}/[^/]+/{re.escape(encode_name(site))}$"]]
+            if not set(BAND) <= have:
+                charts[printable(site)] = multiline
+                continue
+            charts[f"{printable(site)}: actual, band standard–unscaled"] = [
+                "Margin", [scalar_tag(metric, scale, site) for scale in BAND]]
+            if have - set(BAND):
+                charts[f"{printable(site)}: every scale"] = multiline
+    return layout
 
 
 class ScalarTag(NamedTuple):

@@ -17,10 +17,9 @@ histograms took about 0.2-0.4 s of CPU per flush on a 2-core machine, 100 times 
 from __future__ import annotations
 
 import os
-import re
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import numpy as np
 
@@ -28,6 +27,7 @@ from probe.errors import ProbeError
 from probe.sinks import tags
 from probe.sinks.base import head_scalars, scalar_tag
 from probe.sinks.images import grid_of, render_heatmap
+from probe.sinks.tags import custom_scalars_layout  # the layout is part of the tag contract (tags.py)
 from probe.summary import Summary
 
 __all__ = ["TensorBoardSink", "custom_scalars_layout", "scalar_tag", "sites_table"]
@@ -49,23 +49,6 @@ def sites_table(summary: Summary, step: Optional[int] = None) -> str:
             f"| {tags.scale_label(i.get('scale'), i.get('d_k'))} | {i.get('calls')} |"
         )
     return "\n".join(lines)
-
-
-def custom_scalars_layout(metric_sites: Dict[str, List[str]]) -> Dict[str, Dict[str, List[Any]]]:
-    """The ``SummaryWriter.add_custom_scalars`` layout: one category per metric, one Multiline
-    chart per site whose regex matches that site's head-summary scalar at every scale (actual,
-    unscaled, standard and any extra scale), so the three lines share one pair of axes.
-
-    Pitfall: site names contain regex characters (``.``, ``#``), hence ``re.escape``; the ``$``
-    anchor keeps the ``/headNN`` scalars of ``per_head=True`` out of the chart.
-    """
-    return {
-        tags.category(metric): {
-            tags.printable(site): ["Multiline", [f"^{re.escape(tags.category(metric))}/[^/]+/{re.escape(tags.encode_name(site))}$"]]
-            for site in sites
-        }
-        for metric, sites in metric_sites.items()
-    }
 
 
 def _add_image(w: Any, tag: str, image: np.ndarray, step: int) -> None:
@@ -130,6 +113,7 @@ class TensorBoardSink:
         self._pending: Optional[Tuple[int, Summary]] = None  # the last flush, when it had none
         self._sites_written: Tuple[str, ...] = ()
         self._layout_written: Dict[str, List[str]] = {}
+        self._layout_scales: Dict[Tuple[str, str], Set[str]] = {}
         self._infos: Dict[str, Dict[str, Any]] = {}
         self._event_file: Optional[str] = None
         self._closed = False
@@ -146,7 +130,7 @@ class TensorBoardSink:
                 self._event_file = _event_file(self._writer)
             else:
                 self._writer = self._target
-            self._sites_written, self._layout_written = (), {}
+            self._sites_written, self._layout_written, self._layout_scales = (), {}, {}
             self._pictures_at = None  # a new event file starts with pictures
         return self._writer
 
@@ -213,8 +197,12 @@ class TensorBoardSink:
                 if site not in sites:
                     sites.append(site)
                     grown = True
+                scales = self._layout_scales.setdefault((metric, site), set())
+                if not scales.issuperset(summary.scales(site, metric)):
+                    scales.update(summary.scales(site, metric))
+                    grown = True
         if grown:
-            w.add_custom_scalars(custom_scalars_layout(self._layout_written))
+            w.add_custom_scalars(custom_scalars_layout(self._layout_written, self._layout_scales))
 
     def _reopen_if_vanished(self) -> None:
         # An event file deleted under an open writer swallows every later event (the inode is

@@ -99,11 +99,19 @@ def test_every_tag_holds_the_values_of_each_step(tmp_path):
     assert set(categories) == {f"probe.{m}" for m in s.metrics("layers.0")}
     for metric in s.metrics("layers.0"):
         charts = categories[f"probe.{metric}"].chart
-        assert [c.title for c in charts] == ["layers.0", "layers.1"]
-        for chart in charts:
-            (regex,) = chart.multiline.tag
-            matched = [t for t in tags["scalars"] if re.search(regex, t)]
-            assert sorted(matched) == sorted(scalar_tag(metric, sc, chart.title) for sc in s.scales(chart.title, metric))
+        if s.scales("layers.0", metric) == ["actual"]:  # grad_q/k/v, nonfinite: a Multiline chart per site
+            assert [c.title for c in charts] == ["layers.0", "layers.1"]
+            for chart in charts:
+                (regex,) = chart.multiline.tag
+                assert [t for t in tags["scalars"] if re.search(regex, t)] == [scalar_tag(metric, "actual", chart.title)]
+            continue
+        # every scale: actual as a line in a band from standard to unscaled, one Margin chart per site
+        assert [c.title for c in charts] == [f"{site}: actual, band standard–unscaled" for site in ("layers.0", "layers.1")]
+        for chart, site in zip(charts, ("layers.0", "layers.1")):
+            (series,) = chart.margin.series
+            assert (series.value, series.lower, series.upper) == tuple(
+                scalar_tag(metric, sc, site) for sc in ("actual", "standard", "unscaled"))
+            assert {series.value, series.lower, series.upper} <= set(tags["scalars"])
 
 
 def test_layout_escapes_site_names_and_excludes_head_tags():
@@ -115,6 +123,12 @@ def test_layout_escapes_site_names_and_excludes_head_tags():
     assert not re.search(regex, "probe.entropy/unscaled/axb#2")
     assert not re.search(regex, "probe.entropy/unscaled/a.b#2/head00")
     assert not re.search(regex, "probe.logit_max/unscaled/a.b#2")
+    # with the scales known: a Margin chart (exact tags, names encoded), plus a Multiline chart for extra scales
+    layout = custom_scalars_layout({"entropy": ["a/b"]}, {("entropy", "a/b"): {"actual", "standard", "unscaled", "half"}})
+    charts = layout["probe.entropy"]
+    assert charts["a/b: actual, band standard–unscaled"] == [
+        "Margin", ["probe.entropy/actual/a%2Fb", "probe.entropy/standard/a%2Fb", "probe.entropy/unscaled/a%2Fb"]]
+    assert re.search(charts["a/b: every scale"][1][0], "probe.entropy/half/a%2Fb")
 
 
 def test_writes_beside_the_users_own_writer_at_their_global_step(tmp_path):
@@ -206,8 +220,9 @@ def test_sites_appearing_later_and_extra_scales_reach_every_panel(tmp_path):
     acc = _events(tmp_path)
     layout = _layout(acc)  # the last layout written, which TensorBoard shows
     entropy = next(c for c in layout.category if c.title == "probe.entropy")
-    assert [c.title for c in entropy.chart] == ["a", "b"]
-    (regex,) = entropy.chart[1].multiline.tag
+    assert [c.title for c in entropy.chart] == [
+        "a: actual, band standard–unscaled", "a: every scale", "b: actual, band standard–unscaled", "b: every scale"]
+    (regex,) = entropy.chart[3].multiline.tag
     assert sorted(t for t in acc.Tags()["scalars"] if re.search(regex, t)) == [  # no /headNN tags
         f"probe.entropy/{s}/b" for s in ("actual", "half", "standard", "unscaled")]
     assert [e.step for e in acc.Scalars("probe.entropy/half/b")] == [1]
