@@ -65,3 +65,28 @@ def test_cli_demo_and_usage_errors(tmp_path):
     assert bad.returncode == 2 and "positive int" in bad.stderr
     none = subprocess.run([sys.executable, "-m", "probe"], capture_output=True, text=True)
     assert none.returncode == 2
+
+
+def _fake_run(grad_ratios, first_loss=3.0, loss=2.0):
+    """A demo result with two probed steps (0, 95) of one site: entropy, saturation, logit_max and
+    grad_logits with the given unscaled/standard ratio at each step (no training)."""
+    steps = {}
+    for step, ratio in zip((0, 95), grad_ratios):
+        metrics = {"entropy": {"actual": [0.5, 0.5]}, "saturation": {"actual": [0.25, 0.25]},
+                   "logit_max": {"actual": [40.0, 50.0]},
+                   "grad_logits": {"actual": [1e-3, 1e-3], "standard": [2e-3, 2e-3], "unscaled": [2e-3 * ratio] * 2}}
+        steps[step] = probe.Summary({"a": {"info": {}, "metrics": metrics}}, steps=1)
+    return {"summary": steps[95], "steps": steps, "first_loss": first_loss, "loss": loss}
+
+
+def test_reading_says_what_the_grad_ratio_shows_and_no_more():
+    from probe.demo import format_table, reading
+
+    # the ratio at each step: 0.75 is "not vanished", 0.1 is "10x smaller", 1.0 is "no smaller"
+    text = reading({"scaled": _fake_run((1.0, 1.0)), "unscaled": _fake_run((0.75, 0.1))}, d_k=128)
+    assert "0.75x its value with the divisor (not vanished) at step 0, and 10x smaller at step 95 (max logit 50)" in text
+    text = reading({"scaled": _fake_run((1.0, 1.0)), "unscaled": _fake_run((1.0, 0.9))}, d_k=128)
+    assert "1.00x its value with the divisor (no smaller) at step 0, and 0.90x (not vanished) at step 95" in text
+    assert "smaller at step 95" not in text
+    table = format_table({"scaled": _fake_run((1.0, 1.0)), "unscaled": _fake_run((0.75, 0.1))})
+    assert table.splitlines()[-1].split()[-2:] == ["0.750", "0.100"]  # the grad ratio column
