@@ -186,21 +186,48 @@ class ContinueRun(str):
     """
 
 
+def _holds_probe_run(path: str, events: int = 1000) -> bool:
+    """``probe_summary.json`` in ``path``, or a probe scalar among the first ``events`` events of
+    one of its event files (a run killed before its summary was first written, about 2 s in)."""
+    if os.path.isfile(os.path.join(path, SUMMARY_FILE)):
+        return True
+    if not os.path.isdir(path):
+        return False
+    files = [f for f in _event_files(path) if os.path.isfile(f)]
+    if not files:
+        return False
+    try:
+        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    except ImportError:  # pragma: no cover - tensorboard is a dependency
+        return False
+    for file in files:
+        try:
+            for i, event in enumerate(EventFileLoader(file).Load()):
+                if any(parse_scalar_tag(v.tag) for v in event.summary.value):
+                    return True
+                if i >= events:
+                    break
+        except Exception:  # noqa: BLE001 - an unreadable file is not taken for a run
+            continue
+    return False
+
+
 def fresh_logdir(path: str) -> str:
     """Where a new run given ``logdir=path`` writes: ``path``, unless it holds an earlier probe run
-    (its ``probe_summary.json``); then ``path-2``, ``path-3``, ..., the first that does not exist
-    or is empty, with a warning naming both. Appending would show the earlier run's steps and this
-    one's in the same TensorBoard run (step 0 twice) and overwrite the earlier run's summary.
+    (its ``probe_summary.json``, or event files with probe's scalars); then ``path-2``,
+    ``path-3``, ..., the first that does not exist or is empty, with a warning naming both.
+    Appending would show the earlier run's steps and this one's in the same TensorBoard run (step 0
+    twice) and overwrite the earlier run's summary.
 
     A :class:`ContinueRun` is returned as it is.
     """
-    if isinstance(path, ContinueRun) or not os.path.isfile(os.path.join(path, SUMMARY_FILE)):
+    if isinstance(path, ContinueRun) or not _holds_probe_run(path):
         return path
     base, n = path.rstrip("/\\") or path, 2
     while os.path.exists(f"{base}-{n}") and (not os.path.isdir(f"{base}-{n}") or os.listdir(f"{base}-{n}")):
         n += 1
     fresh = f"{base}-{n}"
-    warnings.warn(f"probe: {path!r} already holds a run ({SUMMARY_FILE}); this run writes to {fresh!r} so that "
+    warnings.warn(f"probe: {path!r} already holds a run; this run writes to {fresh!r} so that "
                   f"the two runs' steps never mix (to continue a run there, pass "
                   f"logdir=SummaryWriter({path!r}) instead)",
                   RuntimeWarning, stacklevel=5)  # points at the caller of probe.watch

@@ -33,7 +33,7 @@ def test_a_second_run_goes_to_a_fresh_directory_and_says_so(tmp_path):
     logdir = tmp_path / "exp"
     _run(model, xs, logdir)
     first_summary = (logdir / SUMMARY_FILE).read_text()
-    with pytest.warns(RuntimeWarning, match=r"already holds a run .* writes to '.*exp-2'"):
+    with pytest.warns(RuntimeWarning, match=r"already holds a run; this run writes to '.*exp-2'"):
         _run(model, xs[:2], logdir)
     assert _steps(logdir) == [0, 1, 2]  # the first run, untouched
     assert (logdir / SUMMARY_FILE).read_text() == first_summary
@@ -42,6 +42,19 @@ def test_a_second_run_goes_to_a_fresh_directory_and_says_so(tmp_path):
     with pytest.warns(RuntimeWarning, match="exp-3"):  # the third run skips both
         _run(model, xs[:1], str(logdir) + os.sep)
     assert load_run(str(tmp_path / "exp-3"))[0].steps == 1
+
+
+def test_a_run_killed_before_its_summary_is_recognised_by_its_events(tmp_path):
+    from probe.sinks.tensorboard import TensorBoardSink
+
+    model, xs = model_and_inputs(2)
+    with probe.watch(model, grads=False, sinks=[TensorBoardSink(tmp_path / "exp")]):  # events, no summary
+        for x in xs:
+            train_step(model, x)
+    assert not (tmp_path / "exp" / SUMMARY_FILE).exists()
+    with pytest.warns(RuntimeWarning, match="exp-2"):
+        _run(model, xs[:1], tmp_path / "exp")
+    assert _steps(tmp_path / "exp") == [0, 1] and _steps(tmp_path / "exp-2") == [0]
 
 
 def test_a_directory_without_a_probe_run_is_written_into(tmp_path):
