@@ -333,6 +333,16 @@ class Products:
         new = tuple(perm[d] for d in dims)
         self._set(out, pending if new == tuple(range(x.dim())) else Moved(pending, new))
 
+    def _on_setitem(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
+        """``t[idx] = value`` changed ``t`` in place: a score record no longer describes it (its
+        scale becomes unknown) and a prescaled q or k is no longer ``base * factor``."""
+        target = args[0] if args else None
+        record = self._get(target)
+        if isinstance(record, Scores):
+            self._set(target, dataclasses.replace(record, unknown=True))
+        elif isinstance(record, Meta):
+            self._set(target, Meta())
+
     def _on_norm(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
         """A norm of the probabilities on their way to ``P @ v`` (DeepViT's re-attention norm over
         the heads) keeps them there: v, and so ``grad_v``, are still found."""

@@ -139,6 +139,7 @@ def handler_names() -> Dict[Callable[..., Any], str]:
         ("__rsub__ __rdiv__", (F.conv1d, F.linear, torch.conv1d), "_on_other"),
         ("", (F.conv2d, torch.conv2d), "_on_conv"),
         ("", (F.layer_norm, torch.layer_norm), "_on_norm"),
+        ("__setitem__", (), "_on_setitem"),
         ("softmax", (torch.softmax, F.softmax), "_on_softmax"),
     ):
         methods = [getattr(cls, n) for n in names.split() for cls in (torch._C.TensorBase, Tensor) if hasattr(cls, n)]

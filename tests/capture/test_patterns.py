@@ -404,3 +404,31 @@ def test_d_probabilities_lost_after_the_softmax_warn_that_grad_v_is_missing() ->
     check(net, s, S0, grads=False)
     assert "grad_v" not in s.metrics("blocks.0")
     assert any("blocks.0" in w and "grad_v is not measured" in w for w in warned), warned
+
+
+# -- scores or a prescaled q changed in place by indexing ----------------------------------------------
+def core_setitem_scores(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    scores = q @ k.transpose(-1, -2) * S0
+    scores[..., -1] = -1e9  # in place: the record must not describe the scores before this
+    return keep(m, scores.softmax(-1)) @ v
+
+
+def test_scores_set_in_place_are_not_described_by_a_stale_record() -> None:
+    net, s, warned = run(core_setitem_scores, grads=False)
+    assert s.info("blocks.0")["scale"] is None  # reported at `actual`, from the softmax input
+    assert any("blocks.0" in w and "`actual` only" in w for w in warned), warned
+    np.testing.assert_allclose(s.value("blocks.0", "max_prob"),
+                               net.blocks[0].probs.detach().double().amax(-1).mean((0, 2)).numpy(), rtol=1e-5)
+
+
+def core_setitem_q(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    qs = q * S0
+    qs[..., 0] = 0.0  # in place after the factor: qs is no longer q * S0, its record is dropped
+    m.raw = (qs.detach().double(), k.detach().double())
+    return keep(m, (qs @ k.transpose(-1, -2)).softmax(-1)) @ v
+
+
+def test_prescaled_q_set_in_place_is_not_base_times_factor() -> None:
+    # exact at `actual`: the model's own qs with scale 1 (a stale record would measure q * S0 unzeroed)
+    net, s, _ = run(core_setitem_q, grads=False)
+    check(net, s, 1.0, grads=False)
