@@ -258,11 +258,15 @@ def thirdparty_cases() -> Iterator[Case]:
             "qk_norm_flash": dict(attn_qk_norm=True, attn_flash=True), "rotary": dict(rotary_pos_emb=True),
             "alibi": dict(alibi_pos_bias=True), "talking_heads": dict(attn_pre_talking_heads=True),
             "softclamp": dict(attn_softclamp_logits=True), "gate_values": dict(attn_gate_values=True),
-            "rel_pos": dict(rel_pos_bias=True),
+            "rel_pos": dict(rel_pos_bias=True), "gqa": dict(attn_kv_heads=2), "mqa": dict(attn_one_kv_head=True),
+            "mem_kv": dict(attn_num_mem_kv=2), "residual_attn": dict(residual_attn=True),
+            "head_scale": dict(attn_head_scale=True), "post_talking_heads": dict(attn_post_talking_heads=True),
+            "sparse_topk": dict(attn_sparse_topk=4), "qk_norm_dim_scale": dict(attn_qk_norm=True,
+                                                                             attn_qk_norm_dim_scale=True),
         }
         for name, kw in variants.items():
             yield f"x-transformers/{name}", lambda kw=kw: _xt(kw), (
-                _expected(10.0) if "qk_norm" in name else default)  # x-transformers' qk_norm_scale
+                _expected(10.0) if "qk_norm" in name and "dim_scale" not in name else default)  # qk_norm_scale
 
 
     try:

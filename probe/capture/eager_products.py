@@ -44,6 +44,17 @@ def _pair(x: Any) -> Tuple[Any, ...]:
     return tuple(x) if isinstance(x, (list, tuple)) else (x,)
 
 
+def _lift(t: Any, letters: str, batch: str) -> Tuple[Any, str, Optional[Tuple[int, ...]]]:
+    """An einsum operand without some of the batch letters (one k or v head for all query heads:
+    ``"bjd"`` beside ``"bhid"``): a view with them as leading size-1 dims, its letters, and the
+    view's shape (how the operand's gradient maps onto it); the operand itself when none is missing."""
+    missing = "".join(c for c in batch if c not in letters)
+    if not missing or not isinstance(t, Tensor):
+        return t, letters, None
+    shape = (1,) * len(missing) + tuple(t.shape)
+    return t.reshape(shape), missing + letters, shape
+
+
 def _einsum_head_mix(ss: str, sw: str, res: str, w: Any) -> Optional[Tensor]:
     """M (H, G) of ``einsum(ss, sw -> res)`` when it mixes the heads of 4-D scores ``ss`` (batch,
     head, query, key) by a 2-D weight ``sw`` (head, new head): ``"bhij,hg->bgij"``."""
@@ -181,28 +192,32 @@ class Products:
             probs = self._get((x, y)[i])
             if not isinstance(probs, Pending):
                 continue
-            roles = pv_roles(sp, sv, res)
+            t2, sv2, shape = _lift(t, sv, sp[:-2]) if len(sv) < len(sp) else (t, sv, None)  # one v head: "bjd"
+            roles = pv_roles(sp, sv2, res)
             if roles is not None and isinstance(t, Tensor):  # P·v, any letters and operand order
-                to_v, to_out = [sv.index(c) for c in roles[0] + roles[2]], [res.index(c) for c in roles[1]]
-                v = heads_of(permuted(t, to_v), probs.merged)
+                to_v, to_out = [sv2.index(c) for c in roles[0] + roles[2]], [res.index(c) for c in roles[1]]
+                v = heads_of(permuted(t2, to_v), probs.merged)
                 probs.fire(v, heads_of(permuted(out, to_out), probs.merged),
-                           grad_map(t, v, pre=lambda g, d=to_v: g.permute(d)))
+                           grad_map(t, v, pre=lambda g, d=to_v, sh=shape: (g if sh is None else g.reshape(sh)).permute(d)))
             elif sp[-2:] == res[-2:]:  # P mixed over heads after the softmax (re-attention)
                 self._set(out, probs)
             return
-        roles = qk_roles(sx, sy, res)
+        # one k head for all query heads (multi-query: "bhid,bjd->bhij"): k lifted to "hbjd", h of size 1
+        x2, sx2, shx = _lift(x, sx, res[:-2]) if len(sx) < len(sy) else (x, sx, None)
+        y2, sy2, shy = _lift(y, sy, res[:-2]) if len(sy) < len(sx) else (y, sy, None)
+        roles = qk_roles(sx2, sy2, res)
         if roles is None:
             mixed = next((r for r in map(self._get, (x, y)) if isinstance(r, Scores)), None)
             if mixed is not None:  # scores mixed by a weight: talking heads ("bhij,hg->bgij"), else unknown
                 m = _einsum_head_mix(sx, sy, res, y) if mixed is self._get(x) else _einsum_head_mix(sy, sx, res, x)
                 self._set(out, self._mixed(mixed, m))
             return
-        to_q, to_k = [sx.index(c) for c in roles[0]], [sy.index(c) for c in roles[1]]
-        q, k = permuted(x, to_q), permuted(y, to_k)
+        to_q, to_k = [sx2.index(c) for c in roles[0]], [sy2.index(c) for c in roles[1]]
+        q, k = permuted(x2, to_q), permuted(y2, to_k)
         node = self._start(q, k.transpose(-1, -2), out, k=k)
         if node is not None:  # the model's own operands carry the gradients
-            grads = (("q", *grad_map(x, node.q, 1.0, pre=lambda g: g.permute(to_q))),
-                     ("k", *grad_map(y, node.k, pre=lambda g: g.permute(to_k))))
+            grads = (("q", *grad_map(x, node.q, 1.0, pre=lambda g: (g if shx is None else g.reshape(shx)).permute(to_q))),
+                     ("k", *grad_map(y, node.k, pre=lambda g: (g if shy is None else g.reshape(shy)).permute(to_k))))
             node = dataclasses.replace(node, grad_of=grads)
         self._set(out, node)
 
@@ -216,6 +231,9 @@ class Products:
     def _on_conv(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
         """``conv2d(scores, W)`` with a 1x1 kernel, no bias, stride 1 (x-transformers' talking heads)."""
         node = self._get(args[0]) if args else None
+        if isinstance(node, Pending) and isinstance(out, Tensor) and out.shape[-2:] == args[0].shape[-2:]:
+            self._set(out, node)  # heads mixed after the softmax (post talking heads): still on the way to P @ v
+            return
         if not isinstance(node, Scores):
             return
         names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")

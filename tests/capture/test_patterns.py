@@ -432,3 +432,19 @@ def test_prescaled_q_set_in_place_is_not_base_times_factor() -> None:
     # exact at `actual`: the model's own qs with scale 1 (a stale record would measure q * S0 unzeroed)
     net, s, _ = run(core_setitem_q, grads=False)
     check(net, s, 1.0, grads=False)
+
+
+# -- multi-query einsum with one k / v head ("bhid,bjd->bhij", x-transformers' one_kv_head) -------------
+def core_mqa_einsum(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    k1, v1 = k[:, 0], v[:, 0]  # (B, S, d): no head dim
+    m.raw = (q.detach().double(), k1.unsqueeze(1).expand(B, H, L, D).detach().double())
+    p = keep(m, (torch.einsum("bhid,bjd->bhij", q, k1) * S0).softmax(-1))
+    p = F.conv2d(p, torch.eye(H).view(H, H, 1, 1))  # heads mixed after the softmax: still P on its way to v
+    return torch.einsum("bhij,bjd->bhid", p, v1)
+
+
+def test_d_multi_query_einsum_without_a_head_dim() -> None:
+    net, s, warned = run(core_mqa_einsum)
+    check(net, s, S0)
+    assert s.info("blocks.0")["kv_heads"] == 1
+    assert not warned, warned
