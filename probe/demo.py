@@ -173,7 +173,7 @@ def _value(summary: Optional[probe.Summary], site: str, metric: str, scale: str)
 def _cell(summary: Optional[probe.Summary], site: str, key: str) -> float:
     if key == "grad_ratio":
         with_divisor = _value(summary, site, "grad_logits", "standard")
-        if not with_divisor > 0:
+        if not 0 < with_divisor < math.inf:  # x / inf is 0 or NaN, no measurement of the ratio
             return math.nan
         return _value(summary, site, "grad_logits", "unscaled") / with_divisor
     return _value(summary, site, key, "actual")
@@ -235,8 +235,11 @@ def _ratio_words(ratio: float, first: bool) -> str:
     """``ratio`` (no divisor over 1/sqrt(d_k)) in words."""
     if math.isnan(ratio):
         return "not measured"
+    if ratio == 0:  # a saturated softmax passes back exactly 0 in float32
+        return "0 (no gradient at all)"
     if ratio < 0.5:
-        return f"{1 / ratio:.0f}x smaller" + (" than with it" if first else "")
+        times = 1 / ratio
+        return (f"{times:.0f}" if times < 1e6 else f"{times:.1e}") + "x smaller" + (" than with it" if first else "")
     words = f"{ratio:.2f}x its value with the divisor" if first else f"{ratio:.2f}x"
     return words + (" (not vanished)" if ratio < 0.95 else " (no smaller)")
 
