@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -212,6 +213,16 @@ def _holds_probe_run(path: str, events: int = 1000) -> bool:
     return False
 
 
+# Directories given to a run of this process (realpaths): such a run writes its first file only
+# when it flushes, so a second run opened before that would find the directory empty.
+_CLAIMED: Set[str] = set()
+_CLAIM_LOCK = threading.Lock()
+
+
+def _taken(path: str) -> bool:
+    return os.path.realpath(path) in _CLAIMED or _holds_probe_run(path)
+
+
 def fresh_logdir(path: str) -> str:
     """Where a new run given ``logdir=path`` writes: ``path``, unless it holds an earlier probe run
     (its ``probe_summary.json``, or event files with probe's scalars); then ``path-2``,
@@ -219,19 +230,32 @@ def fresh_logdir(path: str) -> str:
     Appending would show the earlier run's steps and this one's in the same TensorBoard run (step 0
     twice) and overwrite the earlier run's summary.
 
+    A directory given to an earlier run of this process counts as holding a run, also before that
+    run wrote anything (two models watched at once with one ``logdir``) and after it was deleted.
     A :class:`ContinueRun` is returned as it is.
     """
-    if isinstance(path, ContinueRun) or not _holds_probe_run(path):
+    if isinstance(path, ContinueRun):
         return path
-    base, n = path.rstrip("/\\") or path, 2
-    while os.path.exists(f"{base}-{n}") and (not os.path.isdir(f"{base}-{n}") or os.listdir(f"{base}-{n}")):
-        n += 1
-    fresh = f"{base}-{n}"
+    with _CLAIM_LOCK:
+        fresh = _fresh(path)
+        _CLAIMED.add(os.path.realpath(fresh))
+    if fresh == path:
+        return path
     warnings.warn(f"probe: {path!r} already holds a run; this run writes to {fresh!r} so that "
                   f"the two runs' steps never mix (to continue a run there, pass "
                   f"logdir=SummaryWriter({path!r}) instead)",
                   RuntimeWarning, stacklevel=5)  # points at the caller of probe.watch
     return fresh
+
+
+def _fresh(path: str) -> str:
+    if not _taken(path):
+        return path
+    base, n = path.rstrip("/\\") or path, 2
+    while (os.path.realpath(f"{base}-{n}") in _CLAIMED
+           or os.path.exists(f"{base}-{n}") and (not os.path.isdir(f"{base}-{n}") or os.listdir(f"{base}-{n}"))):
+        n += 1
+    return f"{base}-{n}"
 
 
 def load_run(path: str, window: Optional[StepWindow] = None) -> Tuple[Summary, str]:
