@@ -52,6 +52,7 @@ from probe.capture.eager_scores import (
     Meta,
     Pending,
     Scores,
+    Slice,
     handler_names,
     prescale_factor,
     number,
@@ -90,6 +91,7 @@ class EagerFrontEnd(Products, FrontEnd):
         self._table: Dict[int, Tuple[weakref.ref, Any]] = {}
         self._pending: List[Pending] = []
         self._warn_once = WarnOnce(RuntimeWarning)
+        self._before: Optional[Tensor] = None  # the scores a ``scores[idx] = value`` overwrites
 
     # -- protocol --------------------------------------------------------------------------------
     def overrides_active(self) -> bool:
@@ -113,6 +115,8 @@ class EagerFrontEnd(Products, FrontEnd):
                 except Exception as err:  # noqa: BLE001 - bookkeeping must never break the model
                     self._warn(err)
                 return out
+        if handler == self._on_setitem:
+            self._before = self._overwritten(args)
         out = func(*args, **kwargs)
         try:
             handler(func, args, kwargs, out, emit)
@@ -183,7 +187,7 @@ class EagerFrontEnd(Products, FrontEnd):
             return
         node, i = self._scores(args[0], args[1])
         if node is None:
-            if not self._keep_probs(args, out):
+            if not (self._slice_plus(args, kwargs, out) or self._keep_probs(args, out)):
                 self._linear_sum(func, args, kwargs, out)
             return
         alpha = kwargs.get("alpha", 1)
@@ -207,7 +211,23 @@ class EagerFrontEnd(Products, FrontEnd):
         elif isinstance(node, Scores) and len(args) > 1:
             self._add_bias(out, node, args[1], -kwargs.get("alpha", 1) if number(kwargs.get("alpha", 1)) else None)
         elif node is None:
+            first = self._get(args[0]) if args else None
+            if isinstance(first, Slice):  # a part of the scores minus a tensor (not a record): still a part
+                if len(args) > 1 and self._get(args[1]) is None and isinstance(out, Tensor):
+                    self._set(out, first)
+                return
             self._linear_sum(func, args, kwargs, out)
+
+    def _slice_plus(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> bool:
+        """A part of the scores plus a tensor that is not a record: still a :class:`Slice`."""
+        records = [self._get(a) for a in args[:2]]
+        if not any(isinstance(r, Slice) for r in records):
+            return False
+        a, b = records
+        scaled = isinstance(b, Slice) and kwargs.get("alpha", 1) != 1  # a + alpha * slice
+        if isinstance(out, Tensor) and not scaled and (a is None or b is None):
+            self._set(out, a if isinstance(a, Slice) else b)
+        return True
 
     def _mask(self, out: Any, node: Scores, mask: Any, invert: bool, fill: Any) -> None:
         ok = isinstance(mask, Tensor) and mask.dtype == torch.bool and not node.unknown
@@ -265,11 +285,43 @@ class EagerFrontEnd(Products, FrontEnd):
             self._set(out, dataclasses.replace(node, unknown=True))
 
     # -- layout ------------------------------------------------------------------------------------
+    # -- scores written in place ---------------------------------------------------------------------
+    def _overwritten(self, args: Tuple[Any, ...]) -> Optional[Tensor]:
+        record = self._get(args[0]) if args else None
+        if len(args) < 3 or not isinstance(record, Scores) or record.unknown:
+            return None
+        with torch.no_grad():
+            return args[0][args[1]].clone()
+
+    def _on_setitem(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
+        """``t[idx] = value`` changed ``t`` in place. Scores written back as a part of themselves
+        plus tensors (timm MViTv2: ``attn[:, :, 1:, 1:] = attn[...].view(...) + rel_h + rel_w``) or
+        with a mask fill ``<= -1e4`` keep their record, the change a bias; any other write makes
+        the scale unknown. A prescaled q or k is no longer ``base * factor``: its factor is dropped."""
+        target = args[0] if args else None
+        record, before, self._before = self._get(target), self._before, None
+        if isinstance(record, Meta):
+            self._set(target, Meta())
+        if not isinstance(record, Scores):
+            return
+        value = args[2] if len(args) > 2 else None
+        written = self._get(value)
+        ok = before is not None and ((isinstance(written, Slice) and written.of is record)
+                                     or (number(value) and value <= MASK_FILL))
+        if not ok:
+            self._set(target, dataclasses.replace(record, unknown=True))
+            return
+        with torch.no_grad():
+            after = target[args[1]]
+            delta = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
+            delta[args[1]] = torch.where(after == before, 0.0, after.float() - before.float())
+        self._set(target, dataclasses.replace(record, biases=record.biases + ((delta, 1.0, _layout(record, target)),)))
+
     def _on_cast(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
         if isinstance(out, Tensor) and args:
             record = self._get(args[0])
             # dropout changes values: only the probabilities on their way to P @ v keep theirs
-            kinds = (Pending,) if func in (F.dropout, torch.dropout) else (Scores, Pending, Meta)
+            kinds = (Pending,) if func in (F.dropout, torch.dropout) else (Scores, Pending, Meta, Slice)
             if isinstance(record, Meta) and record.base is not None and out is not args[0]:
                 # a prescaled q or k cast: its base is cast alike (the factor then meets tensors of out's dtype)
                 record = dataclasses.replace(record, base=func(record.base, *args[1:], **kwargs))
@@ -282,6 +334,9 @@ class EagerFrontEnd(Products, FrontEnd):
             return
         record = self._get(x)
         transpose = func in (_TB.transpose, torch.transpose)
+        if isinstance(record, Slice):
+            self._set(out, record)
+            return
         if isinstance(record, (Scores, Pending)):
             if transpose:  # moves values (even when the shape stays, L == S)
                 if isinstance(record, Scores) and x.dim() == out.dim():

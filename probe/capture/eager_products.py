@@ -24,6 +24,7 @@ from probe.capture.eager_scores import (
     Moved,
     Pending,
     Scores,
+    Slice,
     einsum_pair,
     factor,
     grad_map,
@@ -38,6 +39,9 @@ from probe.capture.eager_scores import (
 )
 
 __all__ = ["Products"]
+
+
+_GETITEM = frozenset(getattr(cls, "__getitem__") for cls in (torch._C.TensorBase, Tensor))
 
 
 def _pair(x: Any) -> Tuple[Any, ...]:
@@ -351,16 +355,6 @@ class Products:
         new = tuple(perm[d] for d in dims)
         self._set(out, pending if new == tuple(range(x.dim())) else Moved(pending, new))
 
-    def _on_setitem(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
-        """``t[idx] = value`` changed ``t`` in place: a score record no longer describes it (its
-        scale becomes unknown) and a prescaled q or k is no longer ``base * factor``."""
-        target = args[0] if args else None
-        record = self._get(target)
-        if isinstance(record, Scores):
-            self._set(target, dataclasses.replace(record, unknown=True))
-        elif isinstance(record, Meta):
-            self._set(target, Meta())
-
     def _on_norm(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, emit: Any) -> None:
         """A norm of the probabilities on their way to ``P @ v`` (DeepViT's re-attention norm over
         the heads) keeps them there: v, and so ``grad_v``, are still found."""
@@ -394,6 +388,10 @@ class Products:
             return a
 
         first = self._get(args[0]) if args else None
+        if isinstance(first, Scores) and func in _GETITEM and isinstance(out, Tensor):
+            if not (first.unknown or first.tanh or first.softcap is not None):
+                self._set(out, Slice(first))  # a part of the scores, maybe written back (_on_setitem)
+            return
         if isinstance(first, (Pending, Moved)) and isinstance(out, Tensor):
             self._move_probs(func, args, kwargs, first, out)
             return

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from probe.call import AttentionCall
 
-__all__ = ["MASK_FILL", "Meta", "Moved", "Pending", "Scores", "factor", "handler_names", "heads_of", "lift", "number", "permuted",
+__all__ = ["MASK_FILL", "Meta", "Moved", "Pending", "Slice", "Scores", "factor", "handler_names", "heads_of", "lift", "number", "permuted",
            "repeat_kv", "rescaled", "reshaped", "scaled", "to_call", "grad_map"]
 
 #: A fill value at or below this masks an entry (``exp`` of it underflows to 0 in float32).
@@ -60,6 +60,15 @@ class Meta:
     kv: Optional[Tensor] = None  # the (B, Hk, n, d) tensor this one repeats per group (repeat_kv)
     factor_t: Optional[Tensor] = None  # a one-element tensor factor (kept on its device: no sync)
     how: str = ""  # how the factor was applied, in words (info["scale_from"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """``scores[idx]``, viewed, cast and with tensors added: written back in place (``scores[idx]
+    = slice + bias``, timm MViTv2's relative positions) it changes the scores ``of`` by a bias
+    that does not scale with σ."""
+
+    of: "Scores"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -409,8 +409,20 @@ def test_d_probabilities_lost_after_the_softmax_warn_that_grad_v_is_missing() ->
 # -- scores or a prescaled q changed in place by indexing ----------------------------------------------
 def core_setitem_scores(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     scores = q @ k.transpose(-1, -2) * S0
-    scores[..., -1] = -1e9  # in place: the record must not describe the scores before this
+    scores[..., -1] = 0.0  # in place: the record must not describe the scores before this
     return keep(m, scores.softmax(-1)) @ v
+
+
+def core_setitem_mask(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    scores = q @ k.transpose(-1, -2) * S0
+    scores[..., -1] = -1e9  # a mask fill written in place
+    return keep(m, scores.softmax(-1)) @ v
+
+
+def test_a_mask_written_in_place_keeps_the_record() -> None:
+    net, s, warned = run(core_setitem_mask)
+    check(net, s, S0)
+    assert not warned, warned
 
 
 def test_scores_set_in_place_are_not_described_by_a_stale_record() -> None:
@@ -448,3 +460,29 @@ def test_d_multi_query_einsum_without_a_head_dim() -> None:
     check(net, s, S0)
     assert s.info("blocks.0")["kv_heads"] == 1
     assert not warned, warned
+
+
+# -- scores written back in place with relative positions added (timm MViTv2) -------------------------
+def core_mvit_rel_pos(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    # L = 5: a class token and a 2x2 grid; the grid part of the scores gets rel_h + rel_w in place
+    attn = (q * S0) @ k.transpose(-2, -1)
+    r_q = q[:, :, 1:].reshape(B, H, 2, 2, D)
+    rel_h = torch.einsum("byhwc,hkc->byhwk", r_q, torch.linspace(-1, 1, 2 * 2 * D).view(2, 2, D))
+    rel_w = torch.einsum("byhwc,wkc->byhwk", r_q, torch.linspace(1, -1, 2 * 2 * D).view(2, 2, D))
+    attn[:, :, 1:, 1:] = (attn[:, :, 1:, 1:].view(B, -1, 2, 2, 2, 2) + rel_h.unsqueeze(-1)
+                          + rel_w.unsqueeze(-2)).view(B, -1, 4, 4)
+    m.valid = torch.ones(1, 1, L, L, dtype=torch.bool)
+    return keep(m, attn.softmax(-1)) @ v
+
+
+def test_scores_written_back_with_relative_positions_keep_their_scale() -> None:
+    # the write is a bias that does not scale with σ: actual exact, the scale the model's own
+    net, s, warned = run(core_mvit_rel_pos)
+    assert not warned, warned
+    for name, block in zip(s.sites, net.blocks):
+        assert s.info(name)["scale"] == pytest.approx(S0)
+        np.testing.assert_allclose(s.value(name, "entropy"), entropy_ref(block.probs, block.valid), rtol=1e-5)
+        np.testing.assert_allclose(s.value(name, "max_prob"),
+                                   block.probs.detach().double().amax(-1).mean((0, 2)).numpy(), rtol=1e-5)
+        for g in ("grad_q", "grad_k", "grad_v"):
+            assert g in s.metrics(name)
