@@ -22,6 +22,7 @@ __all__ = [
     "assert_stable",
     "check",
     "compare",
+    "coverage",
     "scaling",
     "variants",
     "watch",
@@ -38,6 +39,7 @@ _WHERE = {
     "assert_stable": "probe.thresholds",
     "check": "probe.thresholds",
     "compare": "probe.comparison",
+    "coverage": "probe.coverage",  # the function (README, docs/models.md and probe's warnings name it)
     "scaling": "probe.intervene",
     "variants": "probe.variants",
     "watch": "probe.profiler",

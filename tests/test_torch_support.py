@@ -86,6 +86,17 @@ def test_import_probe_stays_torch_free_and_version_is_readable():
     assert out == [probe.__version__, "False"]
 
 
+def test_every_public_name_resolves_in_a_fresh_interpreter():
+    # probe.coverage(model, ...) is what README, docs/models.md and probe's own warnings tell users
+    # to call: the function, not its module
+    code = ("import probe, torch; [getattr(probe, n) for n in probe.__all__]; "
+            "r = probe.coverage(torch.nn.MultiheadAttention(8, 2, batch_first=True), *[torch.randn(1, 3, 8)] * 3); "
+            "print(type(r).__name__, len(r.rows))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["Coverage", "1"]
+
+
 def test_version_has_one_source(capsys):
     import configparser
     import os
