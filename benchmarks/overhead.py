@@ -155,6 +155,12 @@ class PlainMode(TorchFunctionMode):
 
 
 # -- arms ---------------------------------------------------------------------------------------
+#: What a round is timed with: wall time (default) or, with ``--clock cpu``, the CPU time of the
+#: whole process (every thread, the background writer's included), which other jobs on a shared
+#: machine disturb far less.
+CLOCK: List[Callable[[], float]] = [time.perf_counter]
+
+
 def _drain(p: Any) -> None:
     """Wait until the probe's background writer has written everything submitted so far."""
     worker = getattr(p, "_worker", None)
@@ -205,7 +211,7 @@ class Arms:
     def _timed(self, model: torch.nn.Module, steps: int = 1, p: Any = None,
                wrap: Optional[Callable[[], Any]] = None) -> Callable[[], float]:
         def run() -> float:
-            t0 = time.perf_counter()
+            t0 = CLOCK[0]()
             for _ in range(steps):
                 if wrap is None:
                     self.step(model)
@@ -214,7 +220,7 @@ class Arms:
                         self.step(model)
             if p is not None:
                 _drain(p)
-            return (time.perf_counter() - t0) / steps
+            return (CLOCK[0]() - t0) / steps
         return run
 
     def close(self) -> None:
@@ -222,10 +228,10 @@ class Arms:
             p.close()
 
 
-def close_time(workload: str, seq: int, batch: int, steps: int, tmp: str) -> float:
-    """Seconds ``close()`` takes after ``steps`` probed steps with TensorBoard (``every=1``)."""
+def close_time(workload: str, seq: int, batch: int, steps: int, tmp: str, impl: Any = probe) -> float:
+    """Wall seconds ``close()`` takes after ``steps`` probed steps with TensorBoard (``every=1``)."""
     w = build(workload, seq, batch)
-    p = probe.watch(w.model, logdir=os.path.join(tmp, "close"), every=1)
+    p = impl.watch(w.model, logdir=os.path.join(tmp, f"close-{impl.__name__}"), every=1)
     for _ in range(steps):
         w.step(w.model)
     t0 = time.perf_counter()
@@ -247,14 +253,16 @@ def run_workload(workload: str, seq: int, batch: int, rounds: int, warmup: int, 
                     times[name].append(t)
         arms.close()
         close_s = close_time(workload, seq, batch, close_steps, tmp) if close_steps else None
+        close_before = (close_time(workload, seq, batch, close_steps, tmp, importlib.import_module(before))
+                        if close_steps and before else None)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     bare = med["bare"]
     result: Dict[str, Any] = {
         "workload": workload, "description": arms.description, "rounds": rounds,
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "clock": "cpu" if CLOCK[0] is time.process_time else "wall",
         "median_ms": {n: 1e3 * m for n, m in med.items()},
         "ratio": {n: m / bare for n, m in med.items()},
-        "close_s": close_s, "close_steps": close_steps,
+        "close_s": close_s, "close_steps": close_steps, "close_before_s": close_before,
     }
     if plain:
         assert arms.plain.values, "the plain arm captured nothing"
@@ -265,7 +273,7 @@ def run_workload(workload: str, seq: int, batch: int, rounds: int, warmup: int, 
 
 def print_result(res: Dict[str, Any]) -> None:
     print(f"\n{res['description']}\nforward + backward, {res['rounds']} interleaved rounds, "
-          f"torch threads {res['threads']}")
+          f"torch threads {res['threads']}, {res['clock']} time")
     print(f"{'arm':<22}{'median ms':>12}{'x bare':>10}")
     for name, ms in res["median_ms"].items():
         print(f"{name:<22}{ms:>12.1f}{res['ratio'][name]:>10.3f}")
@@ -273,6 +281,8 @@ def print_result(res: Dict[str, Any]) -> None:
         print(f"probe overhead / plain overhead (every=1): {res['overhead_vs_plain']:.3f}")
     if res["close_s"] is not None:
         print(f"close() after {res['close_steps']} probed TensorBoard steps: {res['close_s']:.2f} s")
+    if res.get("close_before_s") is not None:
+        print(f"before: close() after {res['close_steps']} probed TensorBoard steps: {res['close_before_s']:.2f} s")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -284,6 +294,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--batch", type=int, default=0, help="batch size (0: the workload's)")
     parser.add_argument("--plain", action="store_true", help="add the plain reference arm")
     parser.add_argument("--before", default=None, help="module name of another probe version to run side by side")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="time rounds by wall clock or by the process's CPU time (steadier on a shared machine)")
     parser.add_argument("--rows", type=int, default=None, help="add an every=1 arm with this rows= budget")
     parser.add_argument("--close", type=int, default=100, help="probed steps before timing close() (0: skip)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
@@ -292,6 +304,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        CLOCK[0] = time.process_time
     rounds = args.rounds or (7 if args.quick else 20)
     results = []
     for workload in args.workload:
