@@ -75,6 +75,14 @@ _CLAMPS = frozenset(f for f in (torch.clamp, torch.clamp_min, getattr(_TB, "clam
                                  getattr(_TB, "clamp_min", None)) if f is not None)
 
 
+def _version(t: Tensor) -> int:
+    """Bumped by every in-place op on ``t`` or a view of it; -1 for inference tensors."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def _layout(node: Scores, scores: Any) -> Any:
     """How a bias or mask applied now lifts to (B, H, L, S): the layout's dims (3 or 4), or the
     scores' shape when they have extra leading dims."""
@@ -117,11 +125,18 @@ class EagerFrontEnd(Products, FrontEnd):
                 return out
         if handler == self._on_setitem:
             self._before = self._overwritten(args)
+        seen = self._seen(args)
         out = func(*args, **kwargs)
+        changed = [(t, r) for t, v, r in seen if _version(t) != v]  # in place: the handler judges it
+        for t, r in changed:
+            self._table[id(t)] = (self._table[id(t)][0], r, _version(t))
         try:
             handler(func, args, kwargs, out, emit)
         except Exception as err:  # noqa: BLE001 - bookkeeping must never break the model
             self._warn(err)
+        for t, r in changed:  # a record the handler left as it was describes t before the change
+            if self._table[id(t)][1] is r:
+                self._set(t, dataclasses.replace(r, unknown=True) if isinstance(r, Scores) else Meta())
         return out
 
     def _warn(self, err: Exception) -> None:
@@ -153,7 +168,13 @@ class EagerFrontEnd(Products, FrontEnd):
         if not isinstance(t, Tensor):
             return None
         entry = self._table.get(id(t))
-        return entry[1] if entry is not None and entry[0]() is t else None
+        if entry is None or entry[0]() is not t:
+            return None
+        if entry[2] != _version(t) and isinstance(entry[1], (Meta, Scores)):
+            # changed in place by an op no handler saw (``exp_``, ``copy_``, an op on a view):
+            # no longer ``base * factor``; scores of unknown scale, reported at `actual`
+            return dataclasses.replace(entry[1], unknown=True) if isinstance(entry[1], Scores) else None
+        return entry[1]
 
     def _set(self, t: Any, value: Any) -> None:
         if not isinstance(t, Tensor) or value is None:
@@ -165,7 +186,13 @@ class EagerFrontEnd(Products, FrontEnd):
             if entry is not None and entry[0] is ref:
                 del table[key]
 
-        table[key] = (weakref.ref(t, drop), value)
+        table[key] = (weakref.ref(t, drop), value, _version(t))
+
+    def _seen(self, args: Tuple[Any, ...]) -> List[Tuple[Tensor, int, Any]]:
+        """``(tensor, version, record)`` of the args whose records (Meta, Scores) are current."""
+        return [(a, _version(a), self._table[id(a)][1]) for a in args if isinstance(a, Tensor) and id(a) in self._table
+                and self._table[id(a)][0]() is a and self._table[id(a)][2] == _version(a)
+                and isinstance(self._table[id(a)][1], (Meta, Scores))]
 
     def _scores(self, *ts: Any) -> Tuple[Optional[Scores], int]:
         for i, t in enumerate(ts):

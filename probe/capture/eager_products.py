@@ -309,6 +309,8 @@ class Products:
         base, old, old_t, text = x, 1.0, None, ""
         if isinstance(meta, Meta) and meta.base is not None:
             base, old, old_t, text = meta.base, meta.factor, meta.factor_t, meta.how + " and "
+        elif out is x:
+            return  # ``q.mul_(s)``: x already holds q * s, the unscaled q is gone (measured as it is)
         if f_t is not None or old_t is not None:
             f_t = (old_t if old_t is not None else torch.ones(1, device=out.device)) * (f_t if f_t is not None else f)
             f = 1.0

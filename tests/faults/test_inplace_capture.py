@@ -1,0 +1,78 @@
+"""A prescaled q changed in place by an op probe does not follow (``add_``, ``clamp_``, ``exp_``,
+``copy_``, an in-place op on a view of it): probe must not keep describing it as ``q * factor``.
+The stale record measured the logits of ``q * factor`` before the change: entropy, max_prob and
+logit_max silently wrong, no warning. Oracle: the model's own probabilities (as in
+tests/capture/test_patterns.py); the logits are the model's ``qs @ kᵀ`` at scale 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.capture.test_patterns import D, S0, check, keep, run
+
+
+def _add(q):
+    qs = q * S0
+    qs.add_(1.0)
+    return qs
+
+
+def _clamp(q):
+    qs = q * S0
+    qs.clamp_(-0.1, 0.1)
+    return qs
+
+
+def _exp(q):
+    qs = q * S0
+    qs.exp_()
+    return qs
+
+
+def _copy(q):
+    qs = q * S0
+    qs.copy_(torch.linspace(-1, 1, qs.numel()).view(qs.shape))
+    return qs
+
+
+def _view(q):
+    qs = q * S0
+    qs[..., : D // 2].mul_(3.0)  # through a view: qs's own record never sees the op
+    return qs
+
+
+def _norm(q):
+    qs = q * S0
+    qs.div_(qs.norm(dim=-1, keepdim=True))
+    return qs
+
+
+def _own(q):
+    q = q.clone()
+    q.mul_(S0)
+    q.add_(0.3)
+    return q
+
+
+@pytest.mark.parametrize("change", [_add, _clamp, _exp, _copy, _view, _norm, _own], ids=lambda f: f.__name__[1:])
+def test_a_prescaled_q_changed_in_place_is_measured_as_it_is(change):
+    def core(m, q, k, v):
+        qs = change(q)
+        m.raw = (qs.detach().double(), k.detach().double())
+        return keep(m, (qs @ k.transpose(-1, -2)).softmax(-1)) @ v
+
+    net, s, _ = run(core, grads=False)
+    check(net, s, 1.0, grads=False)
+
+
+def test_q_multiplied_in_place_is_not_multiplied_twice():
+    # q.mul_(s) on a fresh q: recorded as base = q (already q * s) times s, probe measured q * s²
+    def core(m, q, k, v):
+        q = q.clone()
+        q.mul_(S0)
+        m.raw = (q.detach().double(), k.detach().double())
+        return keep(m, (q @ k.transpose(-1, -2)).softmax(-1)) @ v
+
+    net, s, _ = run(core, grads=False)
+    check(net, s, 1.0, grads=False)
