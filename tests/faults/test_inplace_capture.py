@@ -76,3 +76,19 @@ def test_q_multiplied_in_place_is_not_multiplied_twice():
 
     net, s, _ = run(core, grads=False)
     check(net, s, 1.0, grads=False)
+
+
+def test_scores_changed_in_place_are_reported_at_actual_with_a_warning():
+    import numpy as np
+
+    from tests.capture.test_patterns import entropy_ref
+
+    def core(m, q, k, v):
+        scores = q @ k.transpose(-1, -2) * S0
+        scores.sigmoid_()  # an op probe does not follow: the scale of what reaches the softmax is unknown
+        return keep(m, scores.softmax(-1)) @ v
+
+    net, s, warned = run(core, grads=False)
+    assert s.info("blocks.0")["scale"] is None
+    assert any("blocks.0" in w and "`actual` only" in w for w in warned), warned
+    np.testing.assert_allclose(s.value("blocks.0", "entropy"), entropy_ref(net.blocks[0].probs), rtol=1e-5)
