@@ -261,9 +261,10 @@ class Products:
                 mixes.append((node, None))
                 continue
             root, m, n_biases = node.mix
-            if node.unknown or node.masks or len(node.biases) != n_biases or node.softcap is not None:
+            if (node.unknown or node.masks or len(node.biases) != n_biases or node.softcap is not None
+                    or node.scale_t is not None or not root.scale):
                 return dataclasses.replace(a, unknown=True)
-            mixes.append((root, m))
+            mixes.append((root, m * (node.scale / root.scale)))  # ``0.5 * conv1x1(s)``: the factor is the mix's
         (ra, ma), (rb, mb) = mixes
         if ra is not rb or (ma is None and mb is None) or not isinstance(coeff, (int, float)):
             return dataclasses.replace(a, unknown=True)
