@@ -267,6 +267,8 @@ def _fresh(path: str) -> str:
     if not _taken(path):
         return path
     base, n = path.rstrip("/\\") or path, 2
+    if os.path.basename(base) in (".", ".."):  # '.-2' would be a hidden directory inside it
+        base = os.path.abspath(base)
     while (os.path.realpath(f"{base}-{n}") in _CLAIMED
            or os.path.exists(f"{base}-{n}") and (not os.path.isdir(f"{base}-{n}") or os.listdir(f"{base}-{n}"))):
         n += 1

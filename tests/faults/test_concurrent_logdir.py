@@ -30,3 +30,15 @@ def test_a_run_opened_while_another_writes_to_the_same_logdir_goes_to_a_fresh_on
     assert json.loads((logdir / SUMMARY_FILE).read_text())["steps"] == 3
     assert json.loads((tmp_path / "exp-2" / SUMMARY_FILE).read_text())["steps"] == 1
 
+
+
+@pytest.mark.parametrize("given", [".", "./", "sub/.."])
+def test_a_run_in_the_current_directory_goes_to_a_sibling_named_after_it(tmp_path, monkeypatch, given):
+    from probe.runs import fresh_logdir
+
+    run = tmp_path / "exp"
+    (run / "sub").mkdir(parents=True)
+    (run / SUMMARY_FILE).write_text("{}")
+    monkeypatch.chdir(run)
+    with pytest.warns(RuntimeWarning, match="exp-2"):
+        assert fresh_logdir(given) == str(tmp_path / "exp-2")  # not '.-2', a hidden directory inside it
