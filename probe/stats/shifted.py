@@ -185,11 +185,12 @@ def shifted_reduce(exact: List[Tensor], soft_rows: List[Tensor], scales: Sequenc
 def total_variance(per_row: Tensor, length: int) -> Tensor:
     """Estimated variance of the Horvitz-Thompson total of ``per_row`` ``(B, H, N)`` over
     ``N`` of ``length`` positions drawn without replacement: ``L²(1 − N/L)/N · S_y²``, ``S_y²``
-    the sample variance of the per-position batch sums (0 when ``N < 2``)."""
+    the sample variance of the per-position batch sums; NaN when ``N < 2`` (``rows=1``: one row
+    estimates the total, not its spread, and 0 would read as exact)."""
     y = per_row.sum(0, dtype=torch.float64 if per_row.device.type != "mps" else torch.float32)  # (H, N)
     sampled = y.shape[-1]
     if sampled < 2:
-        return torch.zeros(y.shape[0], dtype=y.dtype, device=y.device)
+        return torch.full((y.shape[0],), math.nan, dtype=y.dtype, device=y.device)
     return y.var(-1, unbiased=True) * (length * length * (1 - sampled / length) / sampled)
 
 
