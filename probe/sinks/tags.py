@@ -81,16 +81,19 @@ def custom_scalars_layout(metric_sites: Mapping[str, List[str]],
     layout: Dict[str, Dict[str, List[Any]]] = {}
     for metric, sites in metric_sites.items():
         charts = layout.setdefault(category(metric), {})
-        for site in sites:
+        shown = [printable(site) for site in sites]
+        for site, title in zip(sites, shown):
+            if shown.count(title) > 1:  # printed alike ("a\nb", "a\\nb"): the tag's encoding tells them apart
+                title = encode_name(site)
             have = set(scales.get((metric, site), ())) if scales is not None else set()
             multiline = ["Multiline", [f"^{re.escape(category(metric))}/[^/]+/{re.escape(encode_name(site))}$"]]
             if not set(BAND) <= have:
-                charts[printable(site)] = multiline
+                charts[title] = multiline
                 continue
-            charts[f"{printable(site)}: actual, band standard–unscaled"] = [
+            charts[f"{title}: actual, band standard–unscaled"] = [
                 "Margin", [scalar_tag(metric, scale, site) for scale in BAND]]
             if have - set(BAND):
-                charts[f"{printable(site)}: every scale"] = multiline
+                charts[f"{title}: every scale"] = multiline
     return layout
 
 
