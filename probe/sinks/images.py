@@ -200,7 +200,7 @@ def render_heatmap(
 
     cells = colourize(grid, cs)  # (S, H, 3)
     block = np.repeat(np.repeat(cells, ch, axis=0), cw, axis=1)
-    img.paste(Image.fromarray(block, "RGB"), (left, top))
+    img.paste(Image.fromarray(block), (left, top))
     # thin separators between heads and sites when cells are large enough to spare a pixel
     if cw >= 12:
         for h in range(1, n_heads):
@@ -228,7 +228,7 @@ def render_heatmap(
     bx, by = left + grid_w + bar_gap, top
     ramp = np.linspace(1.0, 0.0, bar_h)[:, None]
     colours = colourize(ramp, _UNIT)
-    img.paste(Image.fromarray(np.repeat(colours, bar_w, axis=1), "RGB"), (bx, by))
+    img.paste(Image.fromarray(np.repeat(colours, bar_w, axis=1)), (bx, by))
     draw.rectangle([bx - 1, by - 1, bx + bar_w, by + bar_h], outline=_INK)
     for tick in cs.ticks:
         p = float(cs.position(np.array([tick]))[0])

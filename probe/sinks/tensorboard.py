@@ -65,7 +65,7 @@ def _add_image(w: Any, tag: str, image: np.ndarray, step: int) -> None:
     from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
 
     buffer = io.BytesIO()
-    Image.fromarray(image, "RGB").save(buffer, format="PNG", compress_level=1)
+    Image.fromarray(image).save(buffer, format="PNG", compress_level=1)
     encoded = SummaryProto.Image(height=image.shape[0], width=image.shape[1], colorspace=3,
                                  encoded_image_string=buffer.getvalue())
     file_writer().add_summary(SummaryProto(value=[SummaryProto.Value(tag=tag, image=encoded)]), step)
