@@ -147,3 +147,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def masked_logits64(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
+                    key_mask: Optional[torch.Tensor] = None):
+    """``(z, valid)``: float64 logits ``scale·q·kᵀ`` (kv heads repeated for GQA) and the keys each
+    row may attend to (causal and ``key_mask``), the independent reference the row tests share."""
+    k64 = k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)
+    z = scale * q.double() @ k64.transpose(-1, -2)
+    b, h, l, s = z.shape
+    valid = torch.ones(b, h, l, s, dtype=torch.bool)
+    if causal:
+        valid &= torch.ones(l, s, dtype=torch.bool).tril()
+    if key_mask is not None:
+        valid &= key_mask
+    return z, valid

@@ -18,20 +18,14 @@ from torch import nn
 import probe
 from probe.call import AttentionCall
 from probe.stats.functional import forward_stats
+from tests.helpers import masked_logits64
 
 MEANS = {"entropy": "entropy@actual", "max_prob": "max_prob@actual", "saturation": "saturated@actual"}
 
 
 def _per_row(q, k, scale, causal, key_mask=None, tau=0.9):
     """Per (batch, head, row): valid-row flag and the row's entropy / max prob / saturation, float64."""
-    q64, k64 = q.double(), k.double()
-    z = scale * q64 @ k64.transpose(-1, -2)
-    b, h, l, s = z.shape
-    valid = torch.ones(b, h, l, s, dtype=torch.bool)
-    if causal:
-        valid &= torch.ones(l, s, dtype=torch.bool).tril()
-    if key_mask is not None:
-        valid &= key_mask
+    z, valid = masked_logits64(q, k, scale, causal, key_mask)
     z = torch.where(valid, z, -math.inf)
     p = torch.softmax(z, -1)
     n = valid.sum(-1)

@@ -15,19 +15,13 @@ from torch import nn
 import probe
 from probe.call import AttentionCall
 from probe.stats.grads import grad_logits_stats
+from tests.helpers import masked_logits64
 
 
 def _per_row(q, k, v, dout, scale, causal, key_mask=None):
     """Per (batch, head, row) ``Σ_j (∂L/∂Z)²`` in float64, kv heads repeated for GQA."""
-    g = q.shape[1] // k.shape[1]
-    k64, v64 = (t.double().repeat_interleave(g, 1) for t in (k, v))
-    z = scale * q.double() @ k64.transpose(-1, -2)
-    b, h, l, s = z.shape
-    valid = torch.ones(b, h, l, s, dtype=torch.bool)
-    if causal:
-        valid &= torch.ones(l, s, dtype=torch.bool).tril()
-    if key_mask is not None:
-        valid &= key_mask
+    z, valid = masked_logits64(q, k, scale, causal, key_mask)
+    v64 = v.double().repeat_interleave(q.shape[1] // v.shape[1], 1)
     p = torch.softmax(torch.where(valid, z, -math.inf), -1).nan_to_num(0.0)
     dp = dout.double() @ v64.transpose(-1, -2)
     grad = p * (dp - (p * dp).sum(-1, keepdim=True))
