@@ -376,7 +376,8 @@ class EagerFrontEnd(Products, FrontEnd):
             return
         if transpose:
             if isinstance(record, Meta) and record.base is not None:
-                self._set(out, Meta(base=func(record.base, *args[1:], **kwargs), factor=record.factor))
+                self._set(out, dataclasses.replace(record, base=func(record.base, *args[1:], **kwargs),
+                                                   merged=None, src=None, whole=None, kv=None))
             elif x.dim() in (3, 4) and len(args) == 3 and all(isinstance(a, int) for a in args[1:]):
                 if {args[1] % x.dim(), args[2] % x.dim()} == {x.dim() - 2, x.dim() - 1}:
                     self._set(out, Meta(src=x))
@@ -389,7 +390,8 @@ class EagerFrontEnd(Products, FrontEnd):
             merged = (x.shape[0], x.shape[1])
         if isinstance(record, Meta) and record.base is not None:
             base = record.base.reshape(out.shape) if out.shape != x.shape else record.base
-            self._set(out, Meta(base=base, factor=record.factor, merged=merged or record.merged))
+            self._set(out, dataclasses.replace(record, base=base, merged=merged or record.merged,
+                                               src=None, whole=None, kv=None))
         elif merged is not None:
             self._set(out, Meta(merged=merged, whole=x))
 

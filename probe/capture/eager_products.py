@@ -315,7 +315,7 @@ class Products:
         if f_t is not None or old_t is not None:
             f_t = (old_t if old_t is not None else torch.ones(1, device=out.device)) * (f_t if f_t is not None else f)
             f = 1.0
-        shown = f"{float(s):.4g}" if number(s) or (isinstance(s, Tensor) and s.device.type == "cpu") else "a tensor"
+        shown = f"{float(s.detach() if isinstance(s, Tensor) else s):.4g}" if number(s) or (isinstance(s, Tensor) and s.device.type == "cpu") else "a tensor"
         merged = meta.merged if isinstance(meta, Meta) else None
         self._set(out, Meta(base=base, factor=old * (f if f is not None else 1.0), factor_t=f_t, merged=merged,
                             how=f"{text}{how} {shown}"))
@@ -330,7 +330,7 @@ class Products:
         if not (isinstance(meta, Meta) and meta.base is not None and isinstance(m, Tensor)
                 and isinstance(x, Tensor)):
             return
-        if m.dim() == 0 or m.shape[-1] != x.shape[-1] or x.shape[-1] < 2 or not m.is_floating_point():
+        if m.dim() == 0 or m.shape[-1] != x.shape[-1] or x.shape[-1] < 2 or not (m.is_floating_point() or m.is_complex()):
             return
         other = self._get(m)
         if isinstance(other, Meta) and other.base is not None:  # both prescaled: the factors multiply

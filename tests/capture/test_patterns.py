@@ -313,7 +313,27 @@ def core_esm_sdpa(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(rope(q * S0), rope(k), v, scale=1.0)
 
 
-@pytest.mark.parametrize("core", [core_esm, core_esm_sdpa], ids=["eager", "sdpa"])
+def rope_complex(t: Tensor) -> Tensor:
+    """Meta's reference Llama rotary embedding: pairs as complex numbers times ``exp(i·θ)``."""
+    pos = torch.arange(t.shape[-2], dtype=torch.float32)[:, None]
+    theta = pos / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    z = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+    return torch.view_as_real(z * torch.polar(torch.ones_like(theta), theta)).flatten(-2).type_as(t)
+
+
+def core_complex_rotary(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    m.raw = (rope_complex(q).detach().double(), rope_complex(k).detach().double())
+    scores = rope_complex(q * S0) @ rope_complex(k).transpose(-1, -2)
+    return keep(m, scores.softmax(-1)) @ v
+
+
+def core_complex_rotary_sdpa(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    m.raw = (rope_complex(q).detach().double(), rope_complex(k).detach().double())
+    return F.scaled_dot_product_attention(rope_complex(q * S0), rope_complex(k), v, scale=1.0)
+
+
+@pytest.mark.parametrize("core", [core_esm, core_esm_sdpa, core_complex_rotary, core_complex_rotary_sdpa],
+                         ids=["eager", "sdpa", "complex-eager", "complex-sdpa"])
 def test_c_factor_before_rotary(core) -> None:
     net, s, _ = run(core)
     check(net, s, S0)
@@ -486,3 +506,29 @@ def test_scores_written_back_with_relative_positions_keep_their_scale() -> None:
                                    block.probs.detach().double().amax(-1).mean((0, 2)).numpy(), rtol=1e-5)
         for g in ("grad_q", "grad_k", "grad_v"):
             assert g in s.metrics(name)
+
+
+def test_c_learned_factor_then_transposed_keeps_where_it_came_from() -> None:
+    """A learnable scalar on q (a Parameter) before a transpose: the scale and its source survive
+    the transpose, and reading the factor for ``scale_from`` warns nothing in the user's run."""
+
+    class Learned(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(H * D, 3 * H * D)
+            self.gain = nn.Parameter(torch.tensor(0.5))
+
+        def forward(self, x: Tensor) -> Tensor:
+            b, n, _ = x.shape
+            q, k, v = self.proj(x).view(b, n, 3, H, D).unbind(2)
+            q, k, v = ((q * self.gain).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+    model = Learned()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with probe.watch(model) as p:
+            model(torch.randn(B, L, H * D)).sum().backward()
+    info = p.summary().info("root")
+    assert info["scale"] == pytest.approx(0.5)
+    assert info["scale_from"] == "q multiplied by 0.5 before q·kᵀ"
