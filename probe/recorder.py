@@ -11,6 +11,7 @@ backward statistics.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
@@ -171,7 +172,7 @@ class Recorder:
         self.grads = grads
         self.site_ok = site_ok
         self._warn = warn
-        self._row_generator = torch.Generator().manual_seed(0)  # row sampling, reproducible
+        self._row_generator = torch.Generator()  # row sampling, seeded per call (_sample)
         self.acc = Accumulator()
         self.infos: Dict[SiteKey, SiteInfo] = {}
         self.multi: Set[str] = set()  # modules seen issuing several calls in one invocation
@@ -229,7 +230,7 @@ class Recorder:
         scales = self.scales_for(call)
         length = call.q.shape[2]
         # the query rows of the exponential metrics, forward and backward (None: every row)
-        rows = None if self.rows is None or length <= self.rows else sample_rows(length, self.rows, self._row_generator)
+        rows = None if self.rows is None or length <= self.rows else self._sample(call.site, length)
         with torch.no_grad():
             if call.logits is not None:  # an eager softmax whose scale is unknown: `actual` only
                 fields = self._unknown_scale_stats(call)
@@ -247,6 +248,13 @@ class Recorder:
             module = self.model.get_submodule(name) if name != "root" else self.model
             self.grad_hooks.defer(module, key, self.step, self.scales_for, self.memory_budget, self.frontends)
         self._update_info(key, call)
+
+    def _sample(self, site: str, length: int) -> Tensor:
+        """The stratified query positions of one call (probe.stats.sampling), seeded by the site
+        and the step: the same run draws the same positions, whatever other sites do."""
+        assert self.rows is not None
+        self._row_generator.manual_seed(zlib.crc32(f"{site}@{self.step}".encode()))
+        return sample_rows(length, self.rows, self._row_generator)
 
     def _update_info(self, key: SiteKey, call: AttentionCall) -> None:
         info = self.infos.get(key)

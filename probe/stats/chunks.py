@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall
+from probe.stats.sampling import sample_rows  # re-exported: the rows= design lives there
 
 __all__ = ["accumulation_dtype", "all_finite", "cache_chunk_rows", "chunk_rows", "iter_chunks", "sample_rows"]
 
@@ -50,18 +51,6 @@ def cache_chunk_rows(batch: int, heads: int, keys: int) -> int:
     """Query rows per chunk that keep one ``(B, H, rows, S)`` float32 buffer near the size of a
     core's L2 cache (at least 16 rows, so the per-chunk Python overhead stays small)."""
     return max(16, _CACHE_CHUNK_BYTES // max(1, batch * heads * keys * 4))
-
-
-def sample_rows(length: int, rows: int, generator: Optional[torch.Generator] = None,
-                device: Optional[torch.device] = None) -> Tensor:
-    """``rows`` distinct query positions drawn uniformly from ``range(length)``, sorted.
-
-    Each position is included with probability ``π = rows / length``; the same positions serve
-    every batch element and head. Drawn on the CPU (``generator`` is a CPU generator) and moved
-    to ``device`` without waiting.
-    """
-    idx = torch.randperm(length, generator=generator)[: min(rows, length)].sort().values
-    return idx.to(device, non_blocking=True) if device is not None else idx
 
 
 def _as_4d(t: Tensor) -> Tensor:

@@ -98,12 +98,12 @@ def forward_stats(
         budget_bytes: extra memory allowed for one chunk's buffers.
         rows: a budget of query rows for the exponential metrics. ``None`` (or ``N >= L``):
             every row, all statistics exact. An int ``N < L`` draws ``N`` distinct positions
-            uniformly (:func:`sample_rows`, with ``generator``); a 1-D tensor gives the sorted
-            positions. Only ``entropy``, ``max_prob``, ``saturated`` and the non-finite
-            probabilities are then computed on those rows, as Horvitz–Thompson totals (weight
-            ``L/N``; divided by the exact valid-row count ``rows`` they are unbiased means), with
+            by the stratified design (:func:`sample_rows`, with ``generator``); a 1-D tensor gives the
+            sorted positions (drawn by that design). Only ``entropy``, ``max_prob`` and
+            ``saturated`` are then computed on those rows, as Horvitz–Thompson totals (weights
+            ``L_h/n_h``; divided by the exact valid-row count ``rows`` they are unbiased means), with
             ``{field}_var@{s}`` fields holding each total's estimated variance; ``logit_var``,
-            ``logit_max``, the row count and the non-finite logits stay exact. Calls taking the
+            ``logit_max``, the row count and ``nonfinite`` stay exact. Calls taking the
             general path (bias, softcap, per-head or non-positive scale) are always exact.
         generator: the CPU generator for ``rows=N`` (``None``: torch's global generator).
 
@@ -193,7 +193,7 @@ def _shifted_stats(call: AttentionCall, floats: List[float], saturation: float, 
     exact_all = torch.cat(exact_parts, dim=-1) if len(exact_parts) > 1 else exact_parts[0]
     soft_all = torch.cat(soft_parts, dim=-1) if len(soft_parts) > 1 else soft_parts[0]
     return shifted_reduce(list(exact_all.unbind(0)), list(soft_all.unbind(0)), floats, saturation, acc,
-                          None if positions is None else length)
+                          None if positions is None else length, positions)
 
 
 def _general_stats(call: AttentionCall, values: Sequence[Scale], saturation: float, step: int,

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from probe.call import AttentionCall
 from probe.stats.chunks import _iter, all_finite, cache_chunk_rows
+from probe.stats.sampling import row_design, stratified_variance
 
 __all__ = ["causal_upper", "grad_logits_shifted", "mask_", "shifted_reduce", "shifted_rows", "total_variance"]
 
@@ -126,7 +127,7 @@ def shifted_rows(R: Tensor, valid: Optional[Tensor], scales: Sequence[float],
 
 
 def shifted_reduce(exact: List[Tensor], soft_rows: List[Tensor], scales: Sequence[float], saturation: float,
-                   acc: torch.dtype, length: Optional[int] = None
+                   acc: torch.dtype, length: Optional[int] = None, positions: Optional[Tensor] = None
                    ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Per-head (moments (4, H): count, mean, M2, max; softmax sums (len(scales), 4, H), nonfinite (H,), variances)
     from the per-row sums of :func:`shifted_rows` (every chunk's, concatenated along rows).
@@ -138,11 +139,16 @@ def shifted_reduce(exact: List[Tensor], soft_rows: List[Tensor], scales: Sequenc
     Softmax at ``σ``: ``H = log Σe − σ·Σ e·D / Σe``, ``max P = 1/Σe``; nonfinite probabilities:
     every valid entry of a row whose log-sum-exp ``σr + log Σe`` is NaN or ``+inf``.
 
-    Sampled rows (``length`` = L given, ``N`` soft rows): the softmax sums and the non-finite
-    probabilities are Horvitz-Thompson totals (weight ``L/N``); the row count, the moments, the
-    maximum and the non-finite logits stay exact. ``variances`` is then ``(len(scales), 3, H)``:
-    the estimated variance of each total (entropy, max_prob, saturated),
-    ``L²(1 − N/L)/N · S_y²`` with ``y`` the per-position sum over the batch; else ``None``.
+    ``nonfinite`` is exact, from every row's max: with finite logits ``Σe ∈ [1, n]``, so a row's
+    log-sum-exp is NaN or ``+inf`` exactly when ``σr`` is (a NaN logit makes ``r`` NaN, ``+inf``
+    makes it ``+inf``).
+
+    Sampled rows (``length`` = L given, ``N`` soft rows at sorted ``positions``, by default the
+    stratified design's :func:`~probe.stats.sampling.sample_rows`): the softmax sums are
+    Horvitz-Thompson totals (weight ``L_h/n_h`` per position, :func:`~probe.stats.sampling.row_design`);
+    the row count, the moments, the maximum and ``nonfinite`` stay exact. ``variances`` is then
+    ``(len(scales), 3, H)``: the estimated variance of each total (entropy, max_prob, saturated),
+    :func:`total_variance` of the per-position sums over the batch; else ``None``.
     """
     n, r, a, b, bad = exact
     dims = (0, 2)
@@ -158,9 +164,11 @@ def shifted_reduce(exact: List[Tensor], soft_rows: List[Tensor], scales: Sequenc
     moments = torch.stack([count, mean, m2, top])  # no min: every scale here is positive
     n_ok = (n >= 2).sum(dims, dtype=acc)  # exact, also when the softmax rows are sampled
 
-    n_s, r_s = soft_rows[:2]
-    sampled = soft_rows[0].shape[-1]
-    weight = 1.0 if length is None else length / max(1, sampled)
+    n_s = soft_rows[0]
+    design = None
+    if length is not None:
+        design = row_design(soft_rows[0].shape[-1] if positions is None else positions, length)
+    weight = None if design is None else design[0].to(n.device, acc, non_blocking=True)
     ok = n_s >= 2
     log_n = torch.log(n_s.clamp(min=2))
     soft, variances, nonfinite = [], [], None
@@ -171,27 +179,26 @@ def shifted_reduce(exact: List[Tensor], soft_rows: List[Tensor], scales: Sequenc
         max_prob = torch.where(ok, 1.0 / se, 0.0)
         saturated = (ok & (max_prob >= saturation)).to(entropy.dtype)
         per_row = (entropy, max_prob, saturated)
-        soft.append(torch.stack([n_ok] + [v.sum(dims, dtype=acc) * weight for v in per_row]))
-        if length is not None:
-            variances.append(torch.stack([total_variance(v, length) for v in per_row]).to(acc))
-        if i == 0:
-            row_lse = lse + sigma * r_s
-            bad_rows = torch.isnan(row_lse) | (row_lse == math.inf)
-            nonfinite = bad.sum(dims, dtype=acc) + torch.where(bad_rows, n_s, 0.0).sum(dims, dtype=acc) * weight
+        if design is None:
+            soft.append(torch.stack([n_ok] + [v.sum(dims, dtype=acc) for v in per_row]))
+        else:
+            soft.append(torch.stack([n_ok] + [(v.to(acc) * weight).sum(dims) for v in per_row]))
+            variances.append(torch.stack([total_variance(v, design) for v in per_row]).to(acc))
+        if i == 0:  # every row of the probabilities at `actual` is non-finite where σr is (docstring)
+            top_z = sigma * r
+            bad_rows = torch.isnan(top_z) | (top_z == math.inf)
+            nonfinite = bad.sum(dims, dtype=acc) + torch.where(bad_rows, n, 0.0).sum(dims, dtype=acc)
     var = torch.stack(variances) if variances else None
     return moments, torch.stack(soft), nonfinite, var  # type: ignore[return-value]
 
 
-def total_variance(per_row: Tensor, length: int) -> Tensor:
-    """Estimated variance of the Horvitz-Thompson total of ``per_row`` ``(B, H, N)`` over
-    ``N`` of ``length`` positions drawn without replacement: ``L²(1 − N/L)/N · S_y²``, ``S_y²``
-    the sample variance of the per-position batch sums; NaN when ``N < 2`` (``rows=1``: one row
-    estimates the total, not its spread, and 0 would read as exact)."""
+def total_variance(per_row: Tensor, design: Tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
+    """Estimated variance, per head, of the stratified Horvitz-Thompson total of ``per_row``
+    ``(B, H, N)`` (:func:`~probe.stats.sampling.stratified_variance` of ``y``, the per-position
+    sums over the batch: the batch shares the positions). ``design`` from
+    :func:`~probe.stats.sampling.row_design`. NaN when a stratum has one row (``rows=1``)."""
     y = per_row.sum(0, dtype=torch.float64 if per_row.device.type != "mps" else torch.float32)  # (H, N)
-    sampled = y.shape[-1]
-    if sampled < 2:
-        return torch.full((y.shape[0],), math.nan, dtype=y.dtype, device=y.device)
-    return y.var(-1, unbiased=True) * (length * length * (1 - sampled / length) / sampled)
+    return stratified_variance(y, *design[1:])
 
 
 # (B, H, rows, S) float32 buffers the backward's shifted path keeps alive: R, dP, e, a product,
@@ -226,7 +233,8 @@ def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: S
 
     Returns:
         ``(sums, variances)``: per scale, the per-head sum over every row, or with
-        ``positions`` its Horvitz-Thompson estimate (weight ``L/N``) and, in ``variances``, the
+        ``positions`` its Horvitz-Thompson estimate (weights of the stratified design,
+        :func:`~probe.stats.sampling.row_design`) and, in ``variances``, the
         estimate's variance (:func:`total_variance`); ``variances`` is ``None`` for every row.
 
     Pitfall: a fully masked row has ``Σe = 0`` and contributes 0; a NaN row stays NaN.
@@ -284,8 +292,10 @@ def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: S
         r0 += rows
     if positions is None:
         return sums, None
-    # Horvitz-Thompson totals over the sampled rows, and each total's estimated variance
+    # Horvitz-Thompson totals over the sampled rows, and each total's estimated variance (the
+    # forward's stratified design, rebuilt from the same positions: probe.stats.sampling)
     rows_all = [torch.cat(parts, dim=-1) for parts in per_row]
-    weight = length / total
-    return ([r.sum((0, 2), dtype=acc) * weight for r in rows_all],
-            [total_variance(r, length).to(acc) for r in rows_all])
+    design = row_design(positions, length)
+    weight = design[0].to(call.q.device, acc, non_blocking=True)
+    return ([(r.to(acc) * weight).sum((0, 2)) for r in rows_all],
+            [total_variance(r, design).to(acc) for r in rows_all])

@@ -1,0 +1,96 @@
+"""Stratified sampling of query rows (the ``rows=`` budget): the design, its Horvitz-Thompson
+totals and their variance estimate.
+
+Design (:func:`sample_rows`): ``N`` rows of ``L`` are drawn as ``N // 2`` strata of consecutive
+positions (boundaries ``⌊h·L/H⌋``), two positions per stratum drawn without replacement (the last
+stratum takes the third when ``N`` is odd; ``N = 1`` is one stratum of one row). A stratum
+``h`` of ``L_h`` positions with ``n_h`` drawn gives each of them the weight ``L_h / n_h``, so
+``T̂ = Σ_h (L_h/n_h) Σ_i y_hi`` is an unbiased estimate of the total ``Σ_l y_l``, with the
+unbiased variance estimate ``V̂ = Σ_h L_h² (1 − n_h/L_h) / n_h · s_h²``, ``s_h²`` the sample
+variance of the stratum's ``y`` (Cochran, *Sampling Techniques*, 5.9). Only the spread *within*
+strata enters: a trend over positions (early causal rows see few keys) does not.
+
+The design is a function of ``(L, N)`` alone, so the positions are all a consumer needs: the
+forward and the backward both rebuild the weights from them (:func:`row_design`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["row_design", "sample_rows", "strata_sizes", "stratified_variance"]
+
+
+def strata_sizes(length: int, rows: int) -> Tuple[Tensor, Tensor]:
+    """``(L_h, n_h)`` of the design for ``rows < length`` sampled of ``length``, int64 on the CPU."""
+    strata = max(1, rows // 2)
+    bounds = torch.div(torch.arange(strata + 1) * length, strata, rounding_mode="floor")
+    sizes = bounds[1:] - bounds[:-1]
+    drawn = torch.full((strata,), 2 if rows >= 2 else 1, dtype=torch.int64)
+    drawn[-1] += rows - int(drawn.sum())  # N odd: the last stratum draws three
+    return sizes, drawn
+
+
+def sample_rows(length: int, rows: int, generator: Optional[torch.Generator] = None,
+                device: Optional[torch.device] = None) -> Tensor:
+    """``min(rows, length)`` distinct query positions of ``range(length)``, sorted, drawn by the
+    stratified design (module docstring); every position when ``rows >= length``.
+
+    Drawn on the CPU (``generator`` is a CPU generator; the same generator state gives the same
+    positions) and moved to ``device`` without waiting.
+    """
+    if rows >= length:
+        idx = torch.arange(length)
+    else:
+        sizes, drawn = strata_sizes(length, rows)
+        # per stratum, the first n_h of a random permutation of its L_h positions: one uniform key
+        # per position, ranked within its stratum (a stratum's keys are offset by its index)
+        keys = torch.rand(length, generator=generator, dtype=torch.float64)
+        stratum = torch.repeat_interleave(torch.arange(sizes.shape[0]), sizes)
+        order = torch.argsort(stratum.double() * 2.0 + keys)
+        start = torch.cumsum(sizes, 0) - sizes
+        rank = torch.empty(length, dtype=torch.int64)
+        rank[order] = torch.arange(length) - torch.repeat_interleave(start, sizes)
+        idx = torch.nonzero(rank < drawn[stratum]).squeeze(-1)
+    return idx.to(device, non_blocking=True) if device is not None else idx
+
+
+def row_design(positions: Union[Tensor, int], length: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(weight, stratum, L_h, n_h)`` of sorted ``positions`` drawn by :func:`sample_rows`:
+    per position its weight ``L_h/n_h`` (float64) and stratum index; per stratum its size and
+    draw count. All on the CPU (``positions`` are host positions). An int ``N`` stands for
+    ``N`` positions drawn by the design (sorted, they fall ``n_h`` to a stratum in order).
+
+    Positions not drawn by the design (other counts per stratum, as an arbitrary subset may
+    have) are treated as one uniform sample of ``N`` (weight ``L/N``)."""
+    n = positions if isinstance(positions, int) else positions.shape[0]
+    sizes, drawn = strata_sizes(length, max(1, n))
+    if isinstance(positions, int):
+        stratum = torch.repeat_interleave(torch.arange(sizes.shape[0]), drawn)
+    else:
+        stratum = torch.searchsorted(torch.cumsum(sizes, 0), positions.cpu(), right=True)
+        if not torch.equal(torch.bincount(stratum, minlength=sizes.shape[0]), drawn):
+            sizes, drawn = torch.tensor([length]), torch.tensor([n])
+            stratum = torch.zeros(n, dtype=torch.int64)
+    weight = sizes.double()[stratum] / drawn.double()[stratum]
+    return weight, stratum, sizes, drawn
+
+
+def stratified_variance(y: Tensor, stratum: Tensor, sizes: Tensor, drawn: Tensor) -> Tensor:
+    """The estimated variance of the stratified total of ``y`` ``(H, N)`` (one column per sampled
+    position): ``Σ_h L_h² (1 − n_h/L_h) / n_h · s_h²``, per row of ``y``. NaN where a stratum has
+    one draw (``rows=1``: one row estimates the total, not its spread, and 0 would read as
+    exact). ``stratum``, ``sizes``, ``drawn`` from :func:`row_design`."""
+    dev = y.device
+    g = stratum.to(dev, non_blocking=True)
+    L_h = sizes.to(dev, y.dtype, non_blocking=True)
+    n_h = drawn.to(dev, y.dtype, non_blocking=True)
+    heads, count = y.shape[0], sizes.shape[0]
+    mean = torch.zeros(heads, count, dtype=y.dtype, device=dev).index_add_(1, g, y) / n_h
+    ss = torch.zeros(heads, count, dtype=y.dtype, device=dev).index_add_(1, g, (y - mean[:, g]).square())
+    s2 = torch.where(n_h > 1, ss / (n_h - 1).clamp(min=1), math.nan)
+    return (L_h.square() * (1 - n_h / L_h) / n_h * s2).sum(-1)
