@@ -70,11 +70,23 @@ def test_average_over_every_subset_is_the_exact_value(causal, padded):
         np.testing.assert_allclose(totals[m] / len(subsets), exact[m], rtol=1e-5, atol=1e-6, err_msg=m)
 
 
+def design_variance(y, sampled):
+    """The variance of the stratified total of ``y`` (per-position totals, positions last) over
+    ``sampled`` rows: Σ_h L_h²(1 − n_h/L_h)/n_h · S_h², S_h² over each stratum's positions."""
+    from probe.stats.sampling import strata_sizes
+
+    sizes, drawn = strata_sizes(y.shape[-1], sampled)
+    out, start = 0.0, 0
+    for size, n in zip(sizes.tolist(), drawn.tolist()):
+        if n < size:
+            out = out + size * size * (1 - n / size) / n * y[..., start : start + size].var(-1, unbiased=True)
+        start += size
+    return out
+
+
 def _standard_error(y, n_rows, sampled):
-    """SE of the mean estimate: L·sqrt((1 − N/L)/N)·S_y / n_rows, y the per-position totals."""
-    length = y.shape[-1]
-    s_y = y.std(-1, unbiased=True)
-    return (length * math.sqrt((1 - sampled / length) / sampled) * s_y / n_rows).numpy()
+    """SE of the mean estimate: sqrt(design_variance) / n_rows, y the per-position totals."""
+    return (design_variance(y, sampled).sqrt() / n_rows).numpy()
 
 
 def test_seeded_estimate_is_within_a_few_standard_errors():
@@ -87,9 +99,9 @@ def test_seeded_estimate_is_within_a_few_standard_errors():
     for m in MEANS:
         exact = (vals[m].sum((0, 2)) / n_rows).numpy()
         se = _standard_error(vals[m].sum(0), n_rows, n)  # y: per (head, position), summed over batch
-        assert (se > 0).all()
+        assert (se > 0).any()  # 0 where every varying row is in the whole head (saturation here)
         err = np.abs(_estimate(fields, m) - exact)
-        assert (err <= 4 * se).all(), (m, err, se)
+        assert (err <= 4 * se + 1e-9).all(), (m, err, se)
 
 
 def test_mean_over_many_seeds_matches_the_exact_value():

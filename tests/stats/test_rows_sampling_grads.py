@@ -16,6 +16,7 @@ import probe
 from probe.call import AttentionCall
 from probe.stats.grads import grad_logits_stats
 from tests.helpers import masked_logits64
+from tests.stats.test_rows_sampling import design_variance
 
 
 def _per_row(q, k, v, dout, scale, causal, key_mask=None):
@@ -99,8 +100,7 @@ def test_probe_rows_option_estimates_grad_logits_with_a_standard_error():
     exact_total = y.sum((0, 2))
     exact = exact_total.sqrt().numpy()  # the same every step: the RMS over steps is one step's norm
     # the true standard error of the estimate, to first order, over `steps` independent draws
-    l, n = 128, 32
-    var_total = y.sum(0).var(-1, unbiased=True) * (l * l * (1 - n / l) / n) / steps
+    var_total = design_variance(y.sum(0), 32) / steps
     se = (var_total.sqrt() / (2 * exact_total.sqrt())).numpy()
     got, se_reported = s.value(site, "grad_logits"), s.value(site, "grad_logits_se")
     assert (np.abs(got - exact) <= 4 * se).all()
