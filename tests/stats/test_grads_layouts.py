@@ -1,0 +1,87 @@
+"""The backward's per-call reductions on the layouts models hand them (Hugging Face's q, k, v
+and their gradients are transposed views of ``(B, L, H, d)``), at extreme magnitudes, against
+float64 references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from probe.call import AttentionCall
+from probe.stats.grads import grad_logits_stats, grad_scale, head_sq
+
+
+def _hf_layout(b, h, l, d, gen, dtype=torch.float32):
+    """A ``(B, H, L, d)`` transposed view of a contiguous ``(B, L, H, d)`` tensor."""
+    return torch.randn(b, l, h, d, generator=gen).to(dtype).transpose(1, 2)
+
+
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-19, 1.0, 1e19, 1e30])
+def test_head_sq_is_exact_on_transposed_gradients_of_any_magnitude(magnitude):
+    """Float32 squares underflow below ~1e-19 and overflow above ~1.8e19: the row norms are
+    taken in float64, so every magnitude gives the float64 sum of squares."""
+    gen = torch.Generator().manual_seed(0)
+    g = _hf_layout(2, 4, 33, 16, gen) * magnitude
+    assert not g.is_contiguous()
+    ref = g.double().square().sum((0, 2, 3))
+    torch.testing.assert_close(head_sq(g), ref, rtol=1e-12, atol=0)
+    torch.testing.assert_close(head_sq(g.contiguous()), ref, rtol=1e-12, atol=0)
+
+
+def test_head_sq_of_a_huge_bfloat16_gradient_does_not_overflow():
+    g = torch.full((1, 2, 3, 4), 3e38, dtype=torch.bfloat16)
+    torch.testing.assert_close(head_sq(g), g.double().square().sum((0, 2, 3)), rtol=1e-12, atol=0)
+
+
+def test_head_sq_keeps_nan_and_inf_of_their_head():
+    g = torch.ones(1, 3, 2, 4)
+    g[0, 0, 1, 2] = math.nan
+    g[0, 1, 0, 0] = math.inf
+    out = head_sq(g)
+    assert math.isnan(out[0]) and out[1] == math.inf and out[2] == 8.0
+
+
+def test_grad_scale_brings_the_largest_entry_into_one_two_on_any_layout():
+    gen = torch.Generator().manual_seed(1)
+    for magnitude in (1e-30, 3e-7, 1.0, 5e3, 1e30):
+        g = _hf_layout(2, 3, 17, 8, gen) * magnitude
+        s = grad_scale(g)
+        assert s.dtype == torch.float32 and s.shape == ()
+        assert torch.log2(s) == torch.round(torch.log2(s))  # a power of two: scales exactly
+        top = (g.double().abs().max() * s.double()).item()
+        assert 1.0 <= top < 2.0, (magnitude, top)
+        assert grad_scale(g.contiguous()) == s
+    assert grad_scale(torch.tensor([-3.0, 2.0]).half()) == 0.5  # the most negative entry counts
+
+
+@pytest.mark.parametrize("special", [math.nan, math.inf, -math.inf, 0.0])
+def test_grad_scale_is_one_for_zero_or_non_finite_gradients(special):
+    g = torch.zeros(1, 2, 3, 4)
+    g[0, 1, 2, 3] = special
+    assert grad_scale(g) == 1.0
+
+
+def test_grad_scale_of_an_empty_gradient_is_one():
+    assert grad_scale(torch.zeros(2, 0, 3, 4)) == 1.0
+
+
+@pytest.mark.parametrize("rows", [None, torch.tensor([0, 3, 4, 9, 12])])
+@pytest.mark.parametrize("causal,kv_heads", [(False, 4), (True, 2)])
+def test_grad_logits_of_a_huge_transposed_output_gradient_is_the_scaled_exact_value(rows, causal, kv_heads):
+    """``∂L/∂Z`` is linear in ``∂L/∂out``: a gradient 2^100 times larger (its squares overflow
+    float32) gives sums exactly 2^200 times larger, from Hugging Face's layouts."""
+    gen = torch.Generator().manual_seed(2)
+    q = _hf_layout(2, 4, 13, 8, gen)
+    k, v = _hf_layout(2, kv_heads, 13, 8, gen), _hf_layout(2, kv_heads, 13, 8, gen)
+    dout = _hf_layout(2, 4, 13, 8, gen)
+    call = AttentionCall(q=q, k=k, v=v, scale=0.35, causal=causal)
+    scales = {"actual": 0.35, "unscaled": 1.0}
+    unit = grad_logits_stats(call, dout, scales, rows=rows)
+    huge = grad_logits_stats(call, dout * 2.0**100, scales, rows=rows)
+    assert set(unit) == set(huge) and unit
+    for name in unit:
+        power = 400 if name.startswith("grad_logits_var") else 200
+        torch.testing.assert_close(huge[name], unit[name] * 2.0**power, rtol=1e-12, atol=0)
+        assert torch.isfinite(huge[name]).all()
