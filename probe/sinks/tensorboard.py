@@ -71,6 +71,27 @@ def _add_image(w: Any, tag: str, image: np.ndarray, step: int) -> None:
     file_writer().add_summary(SummaryProto(value=[SummaryProto.Value(tag=tag, image=encoded)]), step)
 
 
+def _add_scalars(w: Any, scalars: List[Tuple[str, float]], step: int) -> None:
+    """``w.add_scalar(tag, value, step)`` for each pair: when ``w`` is torch's ``SummaryWriter``, as
+    one event per flush holding every value (TensorBoard reads each value of an event as its own
+    point: the same tags, steps and float32 values), not one event, queue hand-off and checksum
+    per scalar (88 events for a 4-site model cost about 5 ms of the writer thread's CPU)."""
+    file_writer = getattr(w, "_get_file_writer", None)
+    if file_writer is None:  # another writer class: its own add_scalar
+        for tag, value in scalars:
+            w.add_scalar(tag, value, step)
+        return
+    from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
+
+    for start in range(0, len(scalars), _SCALARS_PER_EVENT):
+        values = [SummaryProto.Value(tag=tag, simple_value=value) for tag, value in scalars[start:start + _SCALARS_PER_EVENT]]
+        file_writer().add_summary(SummaryProto(value=values), step)
+
+
+#: Scalars per event: a per_head run of a large model stays in events of a few hundred KiB.
+_SCALARS_PER_EVENT = 4096
+
+
 class TensorBoardSink:
     """Writes each flush to TensorBoard (see the module docstring for the tags).
 
@@ -156,8 +177,7 @@ class TensorBoardSink:
         return last is None or step - last >= self.image_every or step < last
 
     def _write(self, w: Any, step: int, summary: Summary) -> None:
-        for tag, value in head_scalars(summary, self.per_head):
-            w.add_scalar(tag, value, step)
+        _add_scalars(w, list(head_scalars(summary, self.per_head)), step)
         if (self.images or self.histograms) and self._pictures_due(step):
             self._write_pictures(w, step, summary)
         else:

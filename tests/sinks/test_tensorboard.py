@@ -153,6 +153,29 @@ def test_writes_beside_the_users_own_writer_at_their_global_step(tmp_path):
     assert (tmp_path / "probe_summary.json").exists()
 
 
+def test_a_writer_of_another_class_gets_add_scalar_for_each_tag():
+    from probe.sinks.base import head_scalars
+    from probe.sinks.tensorboard import TensorBoardSink
+
+    class Recording:  # add_scalar and friends, but not torch's private _get_file_writer
+        def __init__(self):
+            self.scalars = []
+
+        def add_scalar(self, tag, value, step):
+            self.scalars.append((tag, value, step))
+
+        add_image = add_histogram = add_custom_scalars = add_text = flush = lambda self, *args, **kwargs: None
+
+    summary = reference_summary(*model_and_inputs(1))
+    writer = Recording()
+    TensorBoardSink(writer, per_head=True).write(7, summary)
+    expected = [(tag, value, 7) for tag, value in head_scalars(summary, per_head=True)]
+    assert len(writer.scalars) == len(expected) > 0
+    for (tag, value, step), (want_tag, want, want_step) in zip(writer.scalars, expected):
+        assert (tag, step) == (want_tag, want_step)
+        assert value == want or (np.isnan(value) and np.isnan(want))
+
+
 def test_flush_every_aggregates_windows_and_writes_at_their_last_step(tmp_path):
     model, xs = model_and_inputs(7)
     rec = RecordingSink()
