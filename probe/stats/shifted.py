@@ -281,9 +281,11 @@ def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: S
         D = R.sub_(torch.where(rmax == -math.inf, 0.0, rmax))
         for i, sigma in enumerate(values):
             torch.mul(D, sigma * _LOG2E, out=e).exp2_()
-            se = e.sum(-1)
-            c = torch.mul(e, dP, out=t).sum(-1, keepdim=True) / se.unsqueeze(-1)
-            g2 = torch.linalg.vector_norm(torch.sub(dP, c, out=t).mul_(e), dim=-1).square() / se.square()
+            se = e.sum(-1, keepdim=True)
+            u = torch.mul(e, dP, out=t)  # e ⊙ dP, then e ⊙ (dP − c) = u − c·e in place
+            c = u.sum(-1, keepdim=True) / se
+            se = se.squeeze(-1)
+            g2 = torch.linalg.vector_norm(u.addcmul_(e, c, value=-1), dim=-1).square() / se.square()
             g2 = torch.where(se == 0, 0.0, g2)
             if positions is None:
                 sums[i] = sums[i] + g2.sum((0, 2), dtype=acc)

@@ -11,6 +11,7 @@ import torch
 
 from probe.call import AttentionCall
 from probe.stats.grads import grad_logits_stats, grad_scale, head_sq
+from tests.helpers import masked_logits64
 
 
 def _hf_layout(b, h, l, d, gen, dtype=torch.float32):
@@ -85,3 +86,33 @@ def test_grad_logits_of_a_huge_transposed_output_gradient_is_the_scaled_exact_va
         power = 400 if name.startswith("grad_logits_var") else 200
         torch.testing.assert_close(huge[name], unit[name] * 2.0**power, rtol=1e-12, atol=0)
         assert torch.isfinite(huge[name]).all()
+
+
+def _grad_logits64(q, k, v, dout, scale, causal, key_mask=None):
+    """Per-head ``Σ (∂L/∂Z)²`` in float64 (kv heads repeated), the softmax Jacobian written out."""
+    z, valid = masked_logits64(q, k, scale, causal, key_mask)
+    p = torch.softmax(torch.where(valid, z, -math.inf), -1).nan_to_num(0.0)
+    dp = dout.double() @ v.double().repeat_interleave(q.shape[1] // v.shape[1], 1).transpose(-1, -2)
+    return (p * (dp - (p * dp).sum(-1, keepdim=True))).square().sum((0, 2, 3))
+
+
+@pytest.mark.parametrize("causal,kv_heads,padded", [(False, 4, True), (True, 2, False), (True, 1, True)])
+@pytest.mark.parametrize("logit_scale,offset", [(1.0, 0.0), (6.0, 0.0), (1.0, 50.0)])
+def test_grad_logits_matches_float64_on_transposed_inputs(causal, kv_heads, padded, logit_scale, offset):
+    """Every row, Hugging Face's layouts, GQA, causal and padding masks; large logits (near
+    one-hot rows) and a ``dP`` with a large common offset (``dP − rowsum(P ⊙ dP)`` cancels)."""
+    gen = torch.Generator().manual_seed(3)
+    b, h, l, d = 2, 4, 40, 16
+    q = _hf_layout(b, h, l, d, gen) * logit_scale
+    k, v = _hf_layout(b, kv_heads, l, d, gen), _hf_layout(b, kv_heads, l, d, gen)
+    v = v + offset / d  # dP = dout · vᵀ gets a common offset along each row
+    dout = _hf_layout(b, h, l, d, gen) + 1.0
+    key_mask = None
+    if padded:
+        key_mask = torch.ones(b, 1, l, l, dtype=torch.bool)
+        key_mask[1, ..., l - 9:] = False
+    call = AttentionCall(q=q, k=k, v=v, scale=0.25, causal=causal, mask=key_mask)
+    fields = grad_logits_stats(call, dout, {"actual": 0.25, "unscaled": 1.0}, budget_bytes=2**12)  # several chunks
+    for name, sigma in (("actual", 0.25), ("unscaled", 1.0)):
+        ref = _grad_logits64(q, k, v, dout, sigma, causal, key_mask)
+        torch.testing.assert_close(fields[f"grad_logits_sq@{name}"], ref, rtol=2e-4, atol=0)
