@@ -19,7 +19,7 @@ from probe.distributed import resolve_group
 from probe.errors import ProbeError
 from probe.forward_guard import ForwardFrame, RootHook
 from probe.once import WarnOnce
-from probe.options import BUILTIN_SCALES, ExtraScale, check_int, check_scales, check_seconds, tensorboard_sink
+from probe.options import BUILTIN_SCALES, DEFAULT_ROWS, ExtraScale, check_int, check_scales, check_seconds, tensorboard_sink
 from probe.recorder import Recorder
 from probe.results import Results, pending_states, step_ends
 from probe.schedule import Action, Schedule
@@ -52,11 +52,11 @@ class Probe:
         flush_every: flush after this many sampled steps.
         memory_budget: bytes of extra memory the statistics of one call may use (rows in chunks).
         sinks: extra sinks receiving each flush (see :class:`probe.sinks.base.Sink`).
-        rows: a budget of query rows for the exponential metrics of long sequences: ``entropy``,
-            ``max_prob``, ``saturation`` and ``grad_logits`` of a call with more than ``rows`` query
-            rows are computed on ``rows`` positions drawn uniformly (seeded, reproducible), unbiased,
-            with standard errors ``entropy_se``, ..., ``grad_logits_se``; ``logit_var``, ``logit_max`` and
-            counts stay exact (docs/performance.md); info gets ``"rows"``. ``None``: all exact.
+        rows: query-row budget (default 128): ``entropy``, ``max_prob``, ``saturation``, ``grad_logits``
+            of a call with more query rows are unbiased estimates from ``rows`` positions (the first
+            quarter whole, the rest stratified; seeded per site and step) with standard errors
+            ``entropy_se``, ..., ``grad_logits_se``, marked as estimates in reports; shorter calls,
+            ``logit_var``, ``logit_max``, ``nonfinite`` stay exact (docs/performance.md). ``None``: all exact.
         close_timeout: seconds :meth:`close` waits for the sinks (a sink still busy: warned, left behind).
         group: under ``torch.distributed``, the process group whose ranks' statistics are reduced
             at each flush (default: the default group when initialized with several ranks;
@@ -81,7 +81,7 @@ class Probe:
         memory_budget: int = 64 * 2**20,
         sinks: Sequence[Sink] = (),
         group: Any = None,
-        rows: Optional[int] = None,
+        rows: Optional[int] = DEFAULT_ROWS,
         close_timeout: float = 30.0,
         audit: bool = True,
     ) -> None:
