@@ -21,7 +21,7 @@ from probe.errors import ProbeError
 from probe.exit_codes import ExitCode
 from probe.names import printable
 from probe.runs import StepWindow, find_runs, load_run
-from probe.summary import Summary
+from probe.summary import Summary, format_estimate
 
 __all__ = ["add_commands", "load_run", "positive_int", "report_table", "steps_line"]
 
@@ -29,6 +29,11 @@ TENSORBOARD_NOTE = (
     "read from TensorBoard event files: only head-aggregated scalars exist there (head mean; max for "
     "logit_max, sum for nonfinite) unless the run used per_head=True; a single collapsed head can hide "
     "in a mean. Write probe_summary.json (probe.watch(model, logdir=...)) for per-head checks."
+)
+ESTIMATE_NOTE = (
+    "some checked values are estimates from sampled query rows (rows=, default 128 for longer calls), "
+    "shown as value ± standard error; a value within a few standard errors of its limit is not decided "
+    "by this run. probe.watch(model, rows=None) measures every row exactly."
 )
 REDUCTION = "over steps: max for logit_max, sum for nonfinite, root-mean-square for grad_*, mean otherwise"
 
@@ -45,6 +50,16 @@ def steps_line(summary: Summary, window: Optional[StepWindow] = None) -> str:
 
 def _fmt(x: float) -> str:
     return "nan" if math.isnan(x) else f"{x:.4g}"
+
+
+def _cell(summary: Summary, site: str, metric: str, scale: str) -> str:
+    """The head aggregate at one scale; for an estimate ``value ± se``, ``se`` the heads' mean
+    standard error (at least the standard error of their mean)."""
+    from probe.stats.finalize import head_reduce
+
+    value = head_reduce(metric, summary.value(site, metric, scale))
+    se = summary.standard_error(site, metric, scale)
+    return format_estimate(value, None if se is None else head_reduce(f"{metric}_se", se))
 
 
 def report_table(summary: Summary) -> str:
@@ -70,10 +85,17 @@ def report_table(summary: Summary) -> str:
             known.append(f"calls {info['calls']}")
         if info.get("heads_aggregated"):
             known.append("head aggregates only")
+        note = summary.estimate_note(site)
+        if note:
+            known.append(f"{note[len('est., '):] if note.startswith('est., ') else 'some'} sampled: "
+                         "± marks an estimate and its standard error")
         rows = []
-        for m in summary.metrics(site):
+        metrics = summary.metrics(site)
+        for m in metrics:
+            if m.endswith("_se") and m[: -len("_se")] in metrics:
+                continue  # shown with its metric, as ± se
             have = summary.scales(site, m)
-            row = [m] + [_fmt(head_reduce(m, summary.value(site, m, s))) if s in have else "-" for s in scales]
+            row = [m] + [_cell(summary, site, m, s) if s in have else "-" for s in scales]
             if "actual" in have and not info.get("heads_aggregated"):
                 v = summary.value(site, m, "actual")
                 v = v[~np.isnan(v)]
@@ -118,7 +140,8 @@ def _judge(path: str, args: argparse.Namespace, rules: List[Any], origin: str) -
         return ExitCode.USAGE, {"ok": False, "run": path, "error": str(err), "exit": int(ExitCode.USAGE)}, \
             [f"error: {printable(str(err))}"]
     violations = sorted((v for v in judged if not v.ok), key=lambda v: -v.excess)
-    notes = [n for n in (TENSORBOARD_NOTE if source == "tensorboard" else None, summary.meta.get("note")) if n]
+    estimated = ESTIMATE_NOTE if any(v.se is not None for v in judged) else None
+    notes = [n for n in (TENSORBOARD_NOTE if source == "tensorboard" else None, summary.meta.get("note"), estimated) if n]
     code = ExitCode.VIOLATIONS if violations else ExitCode.OK
     data = {
         "ok": not violations, "run": path, "source": source, "thresholds": [str(t) for t in rules],

@@ -224,6 +224,24 @@ def format_table(results: Dict[str, Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _estimate_note(results: Dict[str, Dict[str, Any]]) -> Optional[str]:
+    """A line under the table when its entropy, saturation and softmax gradients are estimates
+    from sampled query rows (sequences longer than the ``rows=`` budget), with the largest
+    standard error of an entropy head; ``None`` when every value is exact."""
+    worst, note = 0.0, None
+    for result in results.values():
+        summary = result["summary"]
+        for site in summary.sites:
+            se = summary.standard_error(site, "entropy") if "entropy" in summary.metrics(site) else None
+            if se is not None:
+                note = summary.estimate_note(site)
+                worst = max([worst] + [float(x) for x in se if not math.isnan(x)])
+    if note is None:
+        return None
+    return (f"entropy, saturation, softmax grad and grad ratio are estimates ({note}; entropy ± up to "
+            f"{worst:.2g}, one standard error): probe.watch(..., rows=None) measures every row")
+
+
 def _mean_over_sites(result: Dict[str, Any], step: int, key: str) -> float:
     summary = result["steps"].get(step)
     values = [_cell(summary, site, key) for site in (summary.sites if summary else [])]
@@ -309,6 +327,9 @@ def run_demo(steps: int = 100, logdir: str = "runs/demo", out: Optional[TextIO] 
           "logit: head max;\nsoftmax grad: |dL/dlogits|; grad ratio: softmax grad without the divisor ÷ with it, "
           "for the same q, k and upstream gradient;\nsee docs/gradients.md)", file=out)
     print(format_table(results), file=out)
+    estimated = _estimate_note(results)
+    if estimated:
+        print(estimated, file=out)
     print("", file=out)
     print(reading(results, d_k), file=out)
     print(f"See it in TensorBoard:  tensorboard --logdir {logdir} --samples_per_plugin images=100", file=out)

@@ -46,6 +46,8 @@ class SiteInfo:
         calls: how many calls were recorded.
         softcap: the logit soft cap, when the site has one.
         rows: a note when query rows were sampled (``rows=``).
+        sampled: ``[rows, length]`` of the longest sampled call: its exponential metrics are
+            estimates from ``rows`` of ``length`` query rows (``None``: every call exact).
         grad_kv_heads: values of ``grad_k``/``grad_v`` (kv heads), once a backward was seen.
         scale_from: where the scale came from (a call's ``scale=``, SDPA's default, a factor on q
             or k before the product: see ``AttentionCall.scale_from``).
@@ -59,6 +61,7 @@ class SiteInfo:
     calls: int = 0
     softcap: Optional[float] = None
     rows: Optional[str] = None
+    sampled: Optional[List[int]] = None
     grad_kv_heads: Optional[int] = None
     scale_from: Optional[str] = None
 
@@ -66,7 +69,7 @@ class SiteInfo:
         """The JSON form (optional fields only when set)."""
         out: Dict[str, Any] = {"kind": self.kind, "heads": self.heads, "kv_heads": self.kv_heads,
                                "d_k": self.d_k, "scale": self.scale, "calls": self.calls}
-        for name in ("softcap", "rows", "grad_kv_heads", "scale_from"):
+        for name in ("softcap", "rows", "sampled", "grad_kv_heads", "scale_from"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -250,10 +253,13 @@ class Recorder:
         self._update_info(key, call)
 
     def _sample(self, site: str, length: int) -> Tensor:
-        """The stratified query positions of one call (probe.stats.sampling), seeded by the site
-        and the step: the same run draws the same positions, whatever other sites do."""
+        """The stratified query positions of one call (probe.stats.sampling), seeded by the site,
+        the step and the rank: the same run draws the same positions, whatever other sites do,
+        and ranks draw independently (their variance estimates add when reduced)."""
         assert self.rows is not None
-        self._row_generator.manual_seed(zlib.crc32(f"{site}@{self.step}".encode()))
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self._row_generator.manual_seed(zlib.crc32(f"{site}@{self.step}@{rank}".encode()))
         return sample_rows(length, self.rows, self._row_generator)
 
     def _update_info(self, key: SiteKey, call: AttentionCall) -> None:
@@ -261,9 +267,12 @@ class Recorder:
         if info is None:
             info = self.infos[key] = SiteInfo(call.kind, call.heads, call.kv_heads, call.d_k, softcap=call.softcap,
                                               scale_from=call.scale_from)
-        if self.rows is not None and call.q.shape[2] > self.rows:
-            info.rows = (f"{self.rows} of {call.q.shape[2]} query rows sampled for entropy, max_prob, "
-                         "saturation, grad_logits: estimates, standard errors in *_se; logit_var, logit_max exact")
+        length = call.q.shape[2]
+        if self.rows is not None and length > self.rows and (info.sampled is None or length > info.sampled[1]):
+            info.sampled = [self.rows, length]  # the longest call's (its rows are the sparsest)
+            info.rows = (f"{self.rows} of {length} query rows sampled (the first {self.rows // 4} whole, the rest "
+                         "stratified) for entropy, max_prob, saturation, grad_logits: estimates, standard errors "
+                         "in *_se; logit_var, logit_max, nonfinite exact")
         if not isinstance(call.scale, Tensor):
             info.scale = None if call.scale is None else float(call.scale)
         info.calls += 1

@@ -20,7 +20,7 @@ import numpy as np
 from probe.errors import ProbeError
 from probe.files import atomic_write, read_regular_file
 
-__all__ = ["SUMMARY_FILE", "Summary", "json_number"]
+__all__ = ["SUMMARY_FILE", "Summary", "format_estimate", "json_number"]
 
 #: The file name a probe writes into its logdir (refreshed as the run goes, final on close).
 SUMMARY_FILE = "probe_summary.json"
@@ -41,6 +41,16 @@ def json_number(v: Any) -> Any:
     if math.isinf(v):
         return "inf" if v > 0 else "-inf"
     return v
+
+
+def format_estimate(value: float, se: Optional[float] = None, note: Optional[str] = None, digits: int = 4) -> str:
+    """``"0.812"`` for an exact value; ``"0.812 ± 0.004 (est., 128 of 1024 rows)"`` for an
+    estimate with standard error ``se`` (:meth:`Summary.standard_error`) and ``note``
+    (:meth:`Summary.estimate_note`)."""
+    shown = "nan" if math.isnan(value) else f"{value:.{digits}g}"
+    if se is None:
+        return shown
+    return f"{shown} ± {'nan' if math.isnan(se) else f'{se:.2g}'}" + (f" ({note})" if note else "")
 
 
 def _clean(values: Iterable[float]) -> List[Any]:
@@ -200,6 +210,27 @@ class Summary:
     def info(self, site: str) -> Dict[str, Any]:
         """kind, heads, kv_heads, d_k, scale (the actual one), calls, and more where known."""
         return copy.deepcopy(self._site(site)["info"])
+
+    def standard_error(self, site: str, metric: str, scale: str = "actual") -> Optional[np.ndarray]:
+        """Per-head standard errors of ``metric`` when its values are estimates from sampled query
+        rows (``rows=``: ``entropy``, ``max_prob``, ``saturation``, ``grad_logits`` of calls
+        longer than the budget), ``None`` when they are exact.
+
+        Example:
+            >>> s.standard_error(site, "entropy")  # with s.value(site, "entropy"): 0.812 ± 0.004
+            array([0.004, 0.003, 0.005, 0.004])
+        """
+        self.value(site, metric, scale)  # the metric and scale exist
+        by_scale = self._site(site)["metrics"].get(f"{metric}_se", {})
+        return by_scale[scale].copy() if scale in by_scale else None
+
+    def estimate_note(self, site: str) -> Optional[str]:
+        """``"est., 128 of 1024 rows"`` for a site whose exponential metrics are estimates from
+        sampled query rows, ``None`` when every value is exact."""
+        sampled = self._site(site)["info"].get("sampled")
+        if not sampled:
+            return "est." if any(m.endswith("_se") for m in self._site(site)["metrics"]) else None
+        return f"est., {sampled[0]} of {sampled[1]} rows"
 
     # -- JSON ----------------------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:

@@ -31,7 +31,7 @@ import numpy as np
 from probe.errors import ProbeError, StabilityError
 from probe.files import read_regular_file
 from probe.names import printable
-from probe.summary import Summary, json_number
+from probe.summary import Summary, format_estimate, json_number
 from probe.threshold_expr import DEFAULT_THRESHOLDS, Threshold, ThresholdLike, as_thresholds, parse_threshold
 from probe.threshold_expr import _OPS
 
@@ -69,7 +69,9 @@ class Violation:
     ``head`` indexes query heads, kv heads for ``grad_k`` / ``grad_v`` under GQA, and is None when
     the value is a head aggregate (TensorBoard scalars without per-head tags); ``value`` is NaN
     when the head had non-finite values. :func:`evaluate` also returns passing heads in this
-    form (``ok`` True, ``excess`` the negative margin).
+    form (``ok`` True, ``excess`` the negative margin). ``se`` is the value's standard error when
+    it is an estimate from sampled query rows (``rows=``), ``estimate`` then says from how many
+    (``"est., 128 of 1024 rows"``); both ``None`` for an exact value.
     """
 
     site: str
@@ -80,6 +82,8 @@ class Violation:
     op: str
     limit: float
     threshold: str = ""
+    se: Optional[float] = None
+    estimate: Optional[str] = None
 
     @property
     def excess(self) -> float:
@@ -97,11 +101,14 @@ class Violation:
     def to_dict(self) -> Dict[str, object]:
         """Strict JSON, encoded as in ``probe_summary.json``: NaN is ``null``, ±inf ``"inf"`` /
         ``"-inf"``."""
-        return {
+        out = {
             "site": self.site, "head": self.head, "metric": self.metric, "scale": self.scale,
             "value": json_number(self.value), "op": self.op, "limit": self.limit,
             "threshold": self.threshold, "excess": None if math.isnan(self.value) else json_number(self.excess),
         }
+        if self.se is not None:
+            out.update(se=json_number(self.se), estimate=self.estimate)
+        return out
 
 
 def _matching_sites(summary: Summary, t: Threshold) -> List[str]:
@@ -157,9 +164,12 @@ def evaluate(
                     f"threshold {str(t)!r}: site {site!r} has no data for {t.metric}@{t.scale} "
                     f"(every head is NaN: no valid logits, or no row with two valid keys)"
                 )
+            se = summary.standard_error(site, t.metric, t.scale)
+            note = summary.estimate_note(site) if se is not None else None
             for h in np.flatnonzero(judged):
                 out.append(Violation(site, None if aggregated else int(h), t.metric, t.scale,
-                                     float(values[h]), t.op, t.limit, str(t)))
+                                     float(values[h]), t.op, t.limit, str(t),
+                                     None if se is None else float(se[h]), note))
     return out
 
 
@@ -195,10 +205,12 @@ def format_value(x: float) -> str:
 
 
 def format_table(violations: Sequence[Violation]) -> str:
-    """A plain-text table: site, head, metric@scale, value, limit, threshold."""
+    """A plain-text table: site, head, metric@scale, value, limit, threshold. An estimate's value
+    reads ``0.812 ± 0.004 (est., 128 of 1024 rows)`` (:func:`probe.summary.format_estimate`)."""
     header = ("site", "head", "metric@scale", "value", "limit", "threshold")
     rows = [header] + [
-        (printable(v.site), "agg" if v.head is None else str(v.head), f"{v.metric}@{v.scale}", format_value(v.value),
+        (printable(v.site), "agg" if v.head is None else str(v.head), f"{v.metric}@{v.scale}",
+         format_value(v.value) if v.se is None else format_estimate(v.value, v.se, v.estimate, 6),
          f"{v.op} {v.limit:g}", v.threshold)
         for v in violations
     ]
