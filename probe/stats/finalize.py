@@ -20,6 +20,17 @@ __all__ = ["HEAD_REDUCTION", "METRIC_ORDER", "finalize", "head_reduce"]
 HEAD_REDUCTION = {m.name: m.heads for m in METRICS if m.heads != "mean"}
 
 
+def _nonneg(v: np.ndarray) -> np.ndarray:
+    """``v`` with negative values made 0 (NaN and -0.0 kept), as torch's ``clamp(min=0)``."""
+    return np.where(v < 0, 0.0, v)
+
+
+def _sqrt(v: np.ndarray) -> np.ndarray:
+    """``torch.sqrt``, as before: torch's float64 sqrt is not always correctly rounded (numpy's is),
+    and reported values stay bit for bit what they were."""
+    return torch.from_numpy(np.ascontiguousarray(v)).sqrt().numpy()
+
+
 def finalize(state: State) -> Dict[str, Dict[str, np.ndarray]]:
     """Metric → scale → per-head values (float64 numpy), from one site's state.
 
@@ -30,44 +41,45 @@ def finalize(state: State) -> Dict[str, Dict[str, np.ndarray]]:
     value does not grow with the run's length (a threshold means the same on a short and a long
     run); ``grad_logits_se`` (sampled rows) is its standard error, to first order. A metric with nothing to average (no valid entry or row) is NaN, never 0.
     """
+    # numpy on the host float64 values (a view when they are host float64 already): the same
+    # IEEE operations as torch's, without its per-operation overhead on these few-element arrays
+    host = {field: value.detach().to("cpu", torch.float64).numpy() for field, value in state.items()}
     out: Dict[str, Dict[str, np.ndarray]] = {}
-    rows = state.get("rows")
-    counted = state.get(GRAD_STEPS)
+    rows = host.get("rows")
+    counted = host.get(GRAD_STEPS)
     grad_steps = float(counted.max()) if counted is not None else 1.0
-    for field, value in state.items():
-        name, _, scale = field.partition("@")
-        scale = scale or "actual"
-        metric = field_spec(field)
-        v = value.detach().to("cpu", torch.float64)
-        if metric is None:
-            if name.endswith("_sq"):  # a norm outside the catalogue
-                out.setdefault(name[: -len("_sq")], {})[scale] = (v.clamp(min=0) / max(grad_steps, 1)).sqrt().numpy()
-            continue
-        if metric.final == "var":
-            n, _, m2 = v
-            res = torch.where(n > 0, m2 / n.clamp(min=1), torch.nan)
-        elif metric.final == "max":
-            n = state[f"logit@{scale}"][0].detach().to("cpu", torch.float64)
-            res = torch.where(n > 0, v, torch.nan)
-        elif metric.final == "per_row":
-            if rows is None:
+    steps = max(grad_steps, 1)
+    with np.errstate(all="ignore"):  # where() discards the divisions it guards, as torch's did silently
+        for field, v in host.items():
+            name, _, scale = field.partition("@")
+            scale = scale or "actual"
+            metric = field_spec(field)
+            if metric is None:
+                if name.endswith("_sq"):  # a norm outside the catalogue
+                    out.setdefault(name[: -len("_sq")], {})[scale] = _sqrt(_nonneg(v) / steps)
                 continue
-            r = rows.detach().to("cpu", torch.float64)
-            res = torch.where(r > 0, v / r.clamp(min=1), torch.nan)
-        elif metric.final == "se":
-            if rows is None:
-                continue
-            r = rows.detach().to("cpu", torch.float64)
-            res = torch.where(r > 0, v.clamp(min=0).sqrt() / r.clamp(min=1), torch.nan)
-        elif metric.final == "root":
-            res = (v.clamp(min=0) / max(grad_steps, 1)).sqrt()
-        elif metric.final == "root_se":
-            # ``g = sqrt(T / s)`` from an estimated total ``T`` with variance ``V``: to first
-            # order ``se(g) = sqrt(V) / s / (2g) = sqrt(V) / (2 sqrt(T·s))``
-            total = state[f"{name[: -len('_var')]}_sq@{scale}"].detach().to("cpu", torch.float64).clamp(min=0)
-            res = torch.where(total > 0, v.clamp(min=0).sqrt() / (2 * (total * max(grad_steps, 1)).sqrt()), 0.0)
-        else:
-            res = v
-        out.setdefault(metric.name, {})[scale] = res.numpy()
+            if metric.final == "var":
+                n, _, m2 = v
+                res = np.where(n > 0, m2 / np.maximum(n, 1), np.nan)
+            elif metric.final == "max":
+                res = np.where(host[f"logit@{scale}"][0] > 0, v, np.nan)
+            elif metric.final == "per_row":
+                if rows is None:
+                    continue
+                res = np.where(rows > 0, v / np.maximum(rows, 1), np.nan)
+            elif metric.final == "se":
+                if rows is None:
+                    continue
+                res = np.where(rows > 0, _sqrt(_nonneg(v)) / np.maximum(rows, 1), np.nan)
+            elif metric.final == "root":
+                res = _sqrt(_nonneg(v) / steps)
+            elif metric.final == "root_se":
+                # ``g = sqrt(T / s)`` from an estimated total ``T`` with variance ``V``: to first
+                # order ``se(g) = sqrt(V) / s / (2g) = sqrt(V) / (2 sqrt(T·s))``
+                total = _nonneg(host[f"{name[: -len('_var')]}_sq@{scale}"])
+                res = np.where(total > 0, _sqrt(_nonneg(v)) / (2 * _sqrt(total * steps)), 0.0)
+            else:
+                res = v
+            out.setdefault(metric.name, {})[scale] = res
     order = {m: i for i, m in enumerate(METRIC_ORDER)}
     return {m: out[m] for m in sorted(out, key=lambda m: (order.get(m, len(order)), m))}
