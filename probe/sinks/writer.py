@@ -33,6 +33,7 @@ import time
 import warnings
 from typing import Any, Deque, Dict, Hashable, List, Mapping, Optional, Sequence, Set, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -67,6 +68,9 @@ class Window:
         self._names, self._infos = names, infos
         self.states: Optional[Dict[str, State]] = None  # site name -> host float64 state
         self.infos: Dict[str, Dict[str, Any]] = {}
+        # the same values packed, as the totals fold them (None for a merged window)
+        self.host: Optional[np.ndarray] = None
+        self.fields: Optional[List[Tuple[str, str, Tuple[int, ...]]]] = None
         self._summary: Optional[Summary] = None
 
     @property
@@ -79,7 +83,10 @@ class Window:
             if self._event is not None:
                 self._event.synchronize()
             assert self._flat is not None
-            states = unpack(self._flat.detach().to("cpu", torch.float64), self._layout)
+            host = self._flat.detach().to("cpu", torch.float64)
+            states = unpack(host, self._layout)
+            self.host = host.numpy()
+            self.fields = [(self._names[key], field, tuple(shape)) for key, field, shape in self._layout]
             out: Dict[str, State] = {}
             for key, state in states.items():
                 name = self._names[key]
@@ -304,7 +311,7 @@ class Writer:
         states = window.materialize()
         if window in self._unfolded:
             self._unfolded.remove(window)
-            self.results.add_states(states, window.infos)
+            self.results.add_states(states, window.infos, window.host, window.fields)
             self._steps.update(window.steps)
             self._version += 1
 
