@@ -87,8 +87,8 @@ def report_table(summary: Summary) -> str:
             known.append("head aggregates only")
         note = summary.estimate_note(site)
         if note:
-            known.append(f"{note[len('est., '):] if note.startswith('est., ') else 'some'} sampled: "
-                         "± marks an estimate and its standard error")
+            sampled = note[len("est., "):] if note.startswith("est., ") else "query rows"
+            known.append(f"{sampled} sampled: ± marks an estimate and its standard error")
         rows = []
         metrics = summary.metrics(site)
         for m in metrics:
