@@ -7,14 +7,16 @@ Llama, SDPA, 4 layers, hidden 256, 8 heads / 2 kv heads, batch 1, seq 1024, caus
 
 - ``bare``: no probe.
 - ``unsampled``: a probe attached with ``every`` so large that the timed steps are never sampled.
-- ``every=1``: every step probed (all metrics, three scales, gradients), no logdir.
+- ``every=1``: every step probed (all metrics, three scales, gradients), no logdir; the default
+  ``rows=128`` (calls longer than 128 query rows estimate their exponential metrics).
 - ``every=1+tb``: the same with a TensorBoard ``logdir``.
 - ``every=10+tb``: one step in ten probed, TensorBoard; a round is a 10-step window, reported
   per step.
 - ``plain`` (``--plain``): a straightforward implementation of the same statistics, written
   below: full logits and a separate softmax per scale, ``.item()`` per head and metric.
 - ``every=1,rows=N`` (``--rows N``): every step probed with a budget of N sampled query rows
-  for the exponential metrics and ``grad_logits`` (estimates with standard errors).
+  for the exponential metrics and ``grad_logits`` (estimates with standard errors);
+  ``--rows none`` gives ``every=1,rows=None``, every statistic exact.
 - ``before:...`` (``--before MODULE``): the same arms with another version of probe imported
   under another name (``benchmarks/before.sh`` makes one from a git commit), side by side.
 
@@ -185,11 +187,11 @@ class Arms:
             impls.append(("before:", importlib.import_module(before)))
         for prefix, impl in impls:
             self._probe_arms(prefix, impl, w.model, tmp)
-        if rows:  # the sampled option, this version only
+        if rows is not None:  # another budget (0: rows=None, every row exact), this version only
             model = copy.deepcopy(w.model)
-            p = probe.watch(model, every=1, rows=rows)
+            p = probe.watch(model, every=1, rows=rows or None)
             self.probes.append(p)
-            self.arms[f"every=1,rows={rows}"] = self._timed(model, 1, p)
+            self.arms[f"every=1,rows={rows or None}"] = self._timed(model, 1, p)
         if plain:
             self.plain = PlainStats()
             model = copy.deepcopy(w.model)
@@ -296,7 +298,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--before", default=None, help="module name of another probe version to run side by side")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="time rounds by wall clock or by the process's CPU time (steadier on a shared machine)")
-    parser.add_argument("--rows", type=int, default=None, help="add an every=1 arm with this rows= budget")
+    parser.add_argument("--rows", type=lambda t: 0 if t == "none" else int(t), default=None,
+                        help="add an every=1 arm with this rows= budget ('none': every row exact; "
+                             "the every=1 arms use the default, rows=128)")
     parser.add_argument("--close", type=int, default=100, help="probed steps before timing close() (0: skip)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--threads", type=int, default=None,
