@@ -165,7 +165,10 @@ CLOCK: List[Callable[[], float]] = [time.perf_counter]
 
 def _drain(p: Any) -> None:
     """Wait until the probe's background writer has written everything submitted so far."""
-    worker = getattr(p, "_worker", None)
+    if hasattr(p, "flush"):  # this version: waits until every sink wrote and flushed
+        p.flush()
+        return
+    worker = getattr(p, "_worker", None)  # versions before Probe.flush (7fc42e4): one worker thread
     if worker is not None and hasattr(worker, "join"):
         worker.join()
     else:
