@@ -102,6 +102,7 @@ class GradHooks:
         self.recompute = Recompute(self.hooks.register)
         #: Whether the current root forward began with grad enabled (set by the profiler).
         self.root_grad = False
+        self._budget = 64 * 2**20  # memory_budget of the hooked calls (head_sq's chunks)
 
     def __len__(self) -> int:
         return len(self.hooks)
@@ -115,6 +116,7 @@ class GradHooks:
                  budget_bytes: int, rows: Optional[Tensor] = None) -> int:
         """Hook one call; ``rows``: the sampled query positions its forward statistics used
         (``None``: every row), for the ``grad_logits`` estimate (:func:`grad_logits_stats`)."""
+        self._budget = budget_bytes
         return self.hooks.register(call, key, step, (grad_scales(call, scales), budget_bytes, rows))
 
     def defer(self, module: nn.Module, key: SiteKey, step: int,
@@ -124,6 +126,7 @@ class GradHooks:
             return grad_scales(call, scales_for(call)), budget_bytes, None  # recomputed: every row
 
         self.hooks.step = step
+        self._budget = budget_bytes
         self.recompute.defer(module, key, step, frontends, payload)
 
     def remove(self) -> None:
@@ -144,7 +147,7 @@ class GradHooks:
             self._add(key, step, fields)
 
     def _on_input(self, name: str, key: Hashable, step: int, grad: Tensor) -> None:
-        self._add(key, step, {f"grad_{name}_sq": head_sq(grad)})
+        self._add(key, step, {f"grad_{name}_sq": head_sq(grad, self._budget)})
 
 
 class Recorder:

@@ -116,3 +116,41 @@ def test_grad_logits_matches_float64_on_transposed_inputs(causal, kv_heads, padd
     for name, sigma in (("actual", 0.25), ("unscaled", 1.0)):
         ref = _grad_logits64(q, k, v, dout, sigma, causal, key_mask)
         torch.testing.assert_close(fields[f"grad_logits_sq@{name}"], ref, rtol=2e-4, atol=0)
+
+
+def test_head_sq_upcasts_chunks_of_rows_not_the_whole_gradient(monkeypatch):
+    """The norm's ``dtype=float64`` copies its input first: a whole large gradient took twice its
+    size in extra memory; rows now go in chunks of at most 2 MiB (or the budget), same values."""
+    seen = []
+    norm = torch.linalg.vector_norm
+
+    def spy(x, *args, **kwargs):
+        seen.append(x.numel() * 8)
+        return norm(x, *args, **kwargs)
+
+    gen = torch.Generator().manual_seed(4)
+    g = _hf_layout(1, 8, 1500, 64, gen)  # 3 MiB in float32, 6 MiB upcast
+    ref = g.double().square().sum((0, 2, 3))
+    monkeypatch.setattr(torch.linalg, "vector_norm", spy)
+    torch.testing.assert_close(head_sq(g), ref, rtol=1e-12, atol=0)
+    assert len(seen) > 1 and max(seen) <= 2 * 2**20
+    seen.clear()
+    torch.testing.assert_close(head_sq(g, budget_bytes=10_000), ref, rtol=1e-12, atol=0)
+    assert max(seen) <= 10_000
+    seen.clear()
+    torch.testing.assert_close(head_sq(g, budget_bytes=1), ref, rtol=1e-12, atol=0)  # one row at a time
+    assert max(seen) == 8 * 64 * 8
+
+
+def test_recorder_hands_the_memory_budget_to_head_sq(monkeypatch):
+    import probe
+    import probe.recorder
+    from tests.helpers import SDPAAttention
+
+    budgets = []
+    real = probe.recorder.head_sq
+    monkeypatch.setattr(probe.recorder, "head_sq", lambda g, budget: budgets.append(budget) or real(g, budget))
+    model = SDPAAttention(d_model=16, heads=2)
+    with probe.watch(model, every=1, memory_budget=123_456):
+        model(torch.randn(2, 5, 16)).sum().backward()
+    assert budgets and set(budgets) == {123_456}
