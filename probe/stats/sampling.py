@@ -55,22 +55,29 @@ def sample_rows(length: int, rows: int, generator: Optional[torch.Generator] = N
     """``min(rows, length)`` distinct query positions of ``range(length)``, sorted, drawn by the
     stratified design (module docstring); every position when ``rows >= length``.
 
-    Drawn on the CPU (``generator`` is a CPU generator; the same generator state gives the same
-    positions) and moved to ``device`` without waiting.
+    Drawn on the CPU in ``O(rows)`` (``generator`` is a CPU generator; the same generator state
+    gives the same positions) and moved to ``device`` without waiting.
     """
     if rows >= length:
         idx = torch.arange(length)
     else:
         sizes, drawn = strata_sizes(length, rows)
-        # per stratum, the first n_h of a random permutation of its L_h positions: one uniform key
-        # per position, ranked within its stratum (a stratum's keys are offset by its index)
-        keys = torch.rand(length, generator=generator, dtype=torch.float64)
-        stratum = torch.repeat_interleave(torch.arange(sizes.shape[0]), sizes)
-        order = torch.argsort(stratum.double() * 2.0 + keys)
-        start = torch.cumsum(sizes, 0) - sizes
-        rank = torch.empty(length, dtype=torch.int64)
-        rank[order] = torch.arange(length) - torch.repeat_interleave(start, sizes)
-        idx = torch.nonzero(rank < drawn[stratum]).squeeze(-1)
+        starts = torch.cumsum(sizes, 0) - sizes
+        parts = []
+        pairs = torch.nonzero(drawn == 2).squeeze(-1)
+        if pairs.numel():  # two distinct uniform positions per stratum: a of m, then b of the other m - 1
+            m = sizes[pairs].double()
+            u = torch.rand(pairs.shape[0], 2, generator=generator, dtype=torch.float64)
+            a = (u[:, 0] * m).long()
+            b = (u[:, 1] * (m - 1)).long()
+            b = b + (b >= a).long()
+            first = starts[pairs]
+            parts.append(torch.stack([first + torch.minimum(a, b), first + torch.maximum(a, b)], -1).reshape(-1))
+        for h in torch.nonzero(drawn != 2).squeeze(-1).tolist():  # the head (whole), or 1 or 3 draws
+            size, n = int(sizes[h]), int(drawn[h])
+            pick = torch.arange(size) if n == size else torch.randperm(size, generator=generator)[:n].sort().values
+            parts.append(int(starts[h]) + pick)
+        idx = torch.cat(parts).sort().values
     return idx.to(device, non_blocking=True) if device is not None else idx
 
 

@@ -183,22 +183,23 @@ def shifted_reduce(exact: List[Tensor], soft_rows: List[Tensor], scales: Sequenc
             soft.append(torch.stack([n_ok] + [v.sum(dims, dtype=acc) for v in per_row]))
         else:
             soft.append(torch.stack([n_ok] + [(v.to(acc) * weight).sum(dims) for v in per_row]))
-            variances.append(torch.stack([total_variance(v, design) for v in per_row]).to(acc))
+            variances.append(torch.stack(per_row))
         if i == 0:  # every row of the probabilities at `actual` is non-finite where σr is (docstring)
             top_z = sigma * r
             bad_rows = torch.isnan(top_z) | (top_z == math.inf)
             nonfinite = bad.sum(dims, dtype=acc) + torch.where(bad_rows, n, 0.0).sum(dims, dtype=acc)
-    var = torch.stack(variances) if variances else None
+    # every scale's three variances in one pass: (len(scales), 3, B, H, N) -> (len(scales), 3, H)
+    var = total_variance(torch.stack(variances), design).to(acc) if design is not None else None
     return moments, torch.stack(soft), nonfinite, var  # type: ignore[return-value]
 
 
 def total_variance(per_row: Tensor, design: Tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
     """Estimated variance, per head, of the stratified Horvitz-Thompson total of ``per_row``
-    ``(B, H, N)`` (:func:`~probe.stats.sampling.stratified_variance` of ``y``, the per-position
-    sums over the batch: the batch shares the positions). ``design`` from
-    :func:`~probe.stats.sampling.row_design`. NaN when a stratum has one row (``rows=1``)."""
-    y = per_row.sum(0, dtype=torch.float64 if per_row.device.type != "mps" else torch.float32)  # (H, N)
-    return stratified_variance(y, *design[1:])
+    ``(..., B, H, N)`` (:func:`~probe.stats.sampling.stratified_variance` of ``y``, the
+    per-position sums over the batch: the batch shares the positions), ``(..., H)``. ``design``
+    from :func:`~probe.stats.sampling.row_design`. NaN when a stratum has one row (``rows=1``)."""
+    y = per_row.sum(-3, dtype=torch.float64 if per_row.device.type != "mps" else torch.float32)  # (..., H, N)
+    return stratified_variance(y.reshape(-1, y.shape[-1]), *design[1:]).reshape(y.shape[:-1])
 
 
 # (B, H, rows, S) float32 buffers the backward's shifted path keeps alive: R, dP, e, a product,
@@ -300,4 +301,4 @@ def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: S
     design = row_design(positions, length)
     weight = design[0].to(call.q.device, acc, non_blocking=True)
     return ([(r.to(acc) * weight).sum((0, 2)) for r in rows_all],
-            [total_variance(r, design).to(acc) for r in rows_all])
+            list(total_variance(torch.stack(rows_all), design).to(acc).unbind(0)))
