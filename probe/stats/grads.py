@@ -234,7 +234,9 @@ def grad_logits_stats(
             return dprobs[:, :, r0:r1, :cols].float() * gs
 
     elif grad_output is not None and call.v is not None:
-        vt = call.v.float().transpose(-1, -2)  # (B, Hk, dv, S)
+        # (B, Hk, dv, S) over a contiguous float32 v: one copy at most (a half-precision
+        # transposed v was copied twice, to float32 and then to contiguous)
+        vt = call.v.to(torch.float32, memory_format=torch.contiguous_format).transpose(-1, -2)
         dout = grad_output.reshape(batch, heads, length, grad_output.shape[-1])
         gs = grad_scale(dout)  # as above, applied to each chunk of dout rows
 
