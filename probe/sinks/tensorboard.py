@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 import numpy as np
 
 from probe.errors import ProbeError
-from probe.sinks import tags
+from probe.sinks import checksum, tags
 from probe.sinks.base import head_scalars, scalar_tag
 from probe.sinks.images import grid_of, render_heatmap
 from probe.sinks.tags import custom_scalars_layout  # the layout is part of the tag contract (tags.py)
@@ -149,6 +149,7 @@ class TensorBoardSink:
 
                 self._writer = SummaryWriter(log_dir=os.fspath(self._target))
                 self._event_file = _event_file(self._writer)
+                checksum.speed_up(self._writer)  # TensorBoard's pure-Python CRC was most of a flush
             else:
                 self._writer = self._target
             self._sites_written, self._layout_written, self._layout_scales = (), {}, {}

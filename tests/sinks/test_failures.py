@@ -136,11 +136,11 @@ def test_vanished_logdir_warns_once_and_writing_resumes_in_a_new_event_file(tmp_
 # TensorBoard's own writer thread prints each failed write to stderr; probe's warning is the one that counts
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_full_disk_warns_once_and_the_sink_recovers_when_space_returns(tmp_path, monkeypatch):
-    from tensorboard.summary.writer.record_writer import RecordWriter
+    from tensorboard.compat.tensorflow_stub.io.gfile import GFile  # the event file's writes
 
     from probe.sinks.tensorboard import TensorBoardSink
 
-    original = RecordWriter.write
+    original = GFile.write
     full = threading.Event()
 
     def write(self, data):
@@ -148,7 +148,7 @@ def test_full_disk_warns_once_and_the_sink_recovers_when_space_returns(tmp_path,
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return original(self, data)
 
-    monkeypatch.setattr(RecordWriter, "write", write)
+    monkeypatch.setattr(GFile, "write", write)
     monkeypatch.setattr(TensorBoardSink, "retry_seconds", 0.0)  # retry at every flush
     model, xs = model_and_inputs(7)
     with warnings.catch_warnings(record=True) as record:
