@@ -18,6 +18,7 @@ the general path (:func:`softmax_stats`, :func:`logit_moments`), a few more pass
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -33,6 +34,7 @@ from probe.stats.chunks import (
     sample_rows,
 )
 from probe.stats.general import combine_moments, general_chunk, logit_moments, softmax_stats
+from probe.stats.moments import centred_stats, inputs_finite, key_validity, row_moments
 from probe.stats.shifted import causal_upper, grad_logits_shifted, shifted_reduce, shifted_rows
 
 __all__ = [
@@ -130,8 +132,13 @@ def forward_stats(
 
     if shiftable(call, values):
         floats = [float(v) for v in values]
-        moments, soft, nonfinite, var = _shifted_stats(call, floats, saturation, step, acc,
-                                                       _sampled_positions(rows, length, generator))
+        positions = _sampled_positions(rows, length, generator)
+        supported, valid, causal = key_validity(call) if inputs_finite(call) else (False, None, False)
+        if supported:  # the centred path (its mask: `valid` and `causal`)
+            centred = dataclasses.replace(call, causal=causal)
+            moments, soft, nonfinite, var = _centred_stats(centred, floats, saturation, step, acc, positions, valid)
+        else:
+            moments, soft, nonfinite, var = _shifted_stats(call, floats, saturation, step, acc, positions)
     else:
         moments, soft, nonfinite = _general_stats(call, values, saturation, step, acc)
         var = None
@@ -163,6 +170,32 @@ def _sampled_positions(rows: Union[None, int, Tensor], length: int,
     return sample_rows(length, rows, generator)
 
 
+def _picks(positions: Optional[Tensor], starts: range, step: int, device: torch.device) -> List[Optional[Tensor]]:
+    """The local indices of the sampled rows in each chunk (all ``None``: every row)."""
+    if positions is None:
+        return [None] * len(starts)
+    chunk_of = positions // step
+    return [(positions[chunk_of == c] - r0).to(device, non_blocking=True) for c, r0 in enumerate(starts)]
+
+
+def _centred_stats(call: AttentionCall, floats: List[float], saturation: float, step: int,
+                   acc: torch.dtype, positions: Optional[Tensor], valid: Optional[Tensor]
+                   ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """The shifted path for inputs proven finite with no mask, key padding, causal or both
+    (:mod:`probe.stats.moments`): per chunk one product with rows centred on their exact mean,
+    ``‖C‖²`` and ``amax``; exponentials on ``positions`` only (all when None)."""
+    batch, heads, length, _ = call.q.shape
+    keys = call.k.shape[2]
+    device = call.q.device
+    starts = range(0, length, step)
+    exact, soft_rows = centred_stats(call, valid, floats, step, _picks(positions, starts, step, device))
+    moments, soft, nonfinite, var = shifted_reduce(exact, soft_rows, floats, saturation, acc,
+                                                   None if positions is None else length)
+    # count, mean and M2 from the rows' means and M2 (shifted_reduce's assume ΣD, ΣD²)
+    exact_moments = row_moments(exact[0], exact[2], exact[3], acc)
+    return torch.cat([exact_moments, moments[3:]]), soft, nonfinite, var
+
+
 def _shifted_stats(call: AttentionCall, floats: List[float], saturation: float, step: int,
                    acc: torch.dtype, positions: Optional[Tensor]
                    ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
@@ -173,10 +206,7 @@ def _shifted_stats(call: AttentionCall, floats: List[float], saturation: float, 
     starts = range(0, length, step)
     # last query position of each chunk, on the host (meta tensors: do not trim)
     last = [min(length, r0 + step) - 1 for r0 in starts] if call.causal and device.type != "meta" else None
-    picks: List[Optional[Tensor]] = [None] * len(starts)
-    if positions is not None:  # local indices of the sampled rows in each chunk
-        chunk_of = positions // step
-        picks = [(positions[chunk_of == c] - r0).to(device, non_blocking=True) for c, r0 in enumerate(starts)]
+    picks = _picks(positions, starts, step, device)
     # a causal call without other masks: mask only each chunk's diagonal block, with one mask
     block = call.causal and call.mask is None
     upper = causal_upper(step, device) if block else None

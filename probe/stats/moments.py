@@ -1,0 +1,291 @@
+"""Exact logit moments and maximum at the cost of one product, ``‖C‖²`` and ``amax`` per chunk.
+
+The centred path of :func:`probe.stats.functional.forward_stats`, for calls without bias or
+softcap whose mask is ``None``, key padding (validity depends only on batch, head and key), causal,
+or both (:func:`key_validity`, which also recognizes Hugging Face's combined causal + padding
+mask), with inputs proven to give finite logits (:func:`inputs_finite`, CPUs):
+
+- Keys are centred once per call on the mean ``k̄`` of each (batch, kv head)'s valid keys, masked
+  keys zeroed: ``k̃_j = w_j·(k_j − k̄)``. Each chunk's product ``C = q·k̃ᵀ`` (float32, as
+  :mod:`probe.stats.chunks`, grouped-query attention without repeating k) has one more column,
+  ``q_i·P`` with ``P`` the sum of ``k̃`` over the keys before the chunk (causal) or over all
+  valid keys (then ``≈ 0``, the centring's rounding); masked keys give 0.
+- Row ``i``: ``Σ_j C_ij = q_i·P + (the causal block's row sum)``, ``Σ_j C_ij² = ‖C_i‖²`` (one fused
+  pass), ``M2_i = ‖C_i‖² − (Σ_j C_ij)²/n_i`` and the mean ``μ_i = q_i·k̄ + Σ_j C_ij / n_i`` with
+  ``q_i·k̄ = q̄·k̄ + (q_i − q̄)·k̄`` (the large part in float64: a float32 ``q_i·k̄`` would round away
+  the spread of mean-dominated logits). Rows combine in float64 (Chan, :func:`row_moments`):
+  ``M2 = Σ M2_i + Σ n_i (μ_i − μ)²``, a sum of non-negative terms.
+- The mask is added as the finite :data:`NEG` (below every valid logit, so ``e·D`` is 0 there,
+  not NaN; no masked copy, no non-finite count), the row max is ``max C + q_i·k̄``, and only the
+  sampled rows form ``D = C − max C`` and their exponentials, gathered across chunks.
+
+Precision (tests/stats/test_moments.py, float64 references): ``C`` rounds by about
+``d·2⁻²⁴·|q_i|·|k̃_j|`` (centred keys: less than the logits ``R = q·k`` themselves), the cancellation
+in ``M2_i`` is ``(mean_j C_ij)² / var_j C_ij`` — about 0 without causal masking, the drift of a
+prefix mean of the keys from ``k̄`` with it — and the means are float64: logit variances to ~1e-8
+where float32 logits lose 3e-3 (mean 1e6 × spread). Measured alternative: float64 Gram matrices
+(``ΣR² = <QᵀQ, KᵀK>``, no pass over the logits) cost more than the passes they replace on CPUs at
+d = 32/64 (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from probe.call import AttentionCall
+
+__all__ = ["NEG", "CentredPrep", "centred_stats", "inputs_finite", "key_validity", "row_moments"]
+
+#: The finite mask value of the proven-finite path: every logit is at most ``2⁹⁰`` in size there
+#: (:func:`inputs_finite`), so a masked entry stays below every valid one, and ``e·D`` is ``0``
+#: (not ``0·(−inf)`` = NaN) where ``exp`` underflows.
+NEG = -(2.0**100)
+
+_BOUND = 2.0**90
+
+# The last mask checked for row-independence and the verdict (a weak reference: never kept alive).
+_CHECKED: Dict[str, Tuple["weakref.ref[Tensor]", tuple, Optional[bool]]] = {}
+
+_LOG2E = 1.0 / math.log(2.0)
+
+# Sampled rows gathered before their exponentials run (causal calls: each batch spans the keys
+# of its last row only).
+_FLUSH_ROWS = 32
+
+
+def inputs_finite(call: AttentionCall) -> bool:
+    """Whether every logit ``q_i·k_j`` is certainly finite and at most ``2⁹⁰`` in size, proven
+    from ``max|q|·max|k|·d`` (``O(L·d)``, no pass over the logits). On CPUs only, where reading
+    the result costs no synchronization; elsewhere ``False`` (callers take their exact path)."""
+    q, k = call.q, call.k
+    if q.device.type != "cpu" or q.numel() == 0 or k.numel() == 0:
+        return False
+    bound = float(q.abs().amax()) * float(k.abs().amax()) * q.shape[-1]
+    return bound <= _BOUND  # False for NaN
+
+
+def key_validity(call: AttentionCall) -> Tuple[bool, Optional[Tensor], bool]:
+    """``(supported, valid, causal)``: whether the call's mask is ``None`` or a key-padding mask
+    (with causal masking, on the causal part), the valid keys, ``(b, h, S)`` bool with ``b``,
+    ``h`` 1 or full (``None``: every key), and whether the call is causal — also when the mask
+    holds the causal pattern itself (Hugging Face passes padding and causality as one
+    ``(B, 1, L, S)`` mask with ``is_causal=False``). A mask with a row dim is checked on CPUs
+    (passes over the bool mask, not over the logits; the verdict is kept for the same unchanged
+    tensor, which every layer of a model receives); elsewhere it is unsupported."""
+    mask = call.mask
+    if mask is None:
+        return True, None, call.causal
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    if mask.dim() > 4:
+        return False, None, call.causal
+    length, keys = call.q.shape[2], call.k.shape[2]
+    if mask.shape[-2] == 1 or mask.stride(-2) == 0:
+        return True, mask[..., 0, :].expand(*mask.shape[:2], keys), call.causal
+    if mask.device.type != "cpu":
+        return False, None, call.causal
+    key = (mask.data_ptr(), mask.shape, mask.stride(), mask._version, call.causal)
+    cached = _CHECKED.get("mask")
+    if cached is not None and cached[0]() is call.mask and cached[1] == key:
+        verdict = cached[2]  # the same mask as the previous call's
+    else:
+        verdict = _row_pattern(mask, call.causal, length, keys)
+        _CHECKED["mask"] = (weakref.ref(call.mask), key, verdict)
+    if verdict is None:
+        return False, None, call.causal
+    # the last row sees every key a causal row can see (keys after it are never valid)
+    row = mask[..., -1 if verdict else 0, :]
+    return True, row.expand(*mask.shape[:2], keys), verdict
+
+
+def _row_pattern(mask: Tensor, causal: bool, length: int, keys: int) -> Optional[bool]:
+    """``False``: every row of ``mask`` is the same; ``True``: causal (top-left) and the last
+    row's keys; ``None``: neither."""
+    if not causal:
+        if torch.equal(mask, mask[..., :1, :].expand_as(mask)):
+            return False
+        if length != keys:
+            return None
+    tril = torch.ones(length, keys, dtype=torch.bool, device=mask.device).tril()
+    if not causal:
+        return True if torch.equal(mask, mask[..., -1:, :] & tril) else None
+    return True if torch.equal(mask & tril, mask[..., -1:, :] & tril) else None
+
+
+class CentredPrep:
+    """Per-call tensors of the centred path (module docstring): ``O(S·d)`` work, none over q."""
+
+    def __init__(self, call: AttentionCall, valid: Optional[Tensor], step: int):
+        q, k = call.q, call.k
+        batch, heads, length, dim = q.shape
+        kv, keys = k.shape[1], k.shape[2]
+        g = heads // kv
+        if valid is not None and valid.shape[1] > 1 and g > 1:
+            k = k.repeat_interleave(g, 1)  # a per-head mask: k per query head
+            kv, g = heads, 1
+        self.g, self.kv, self.causal = g, kv, call.causal
+        kT = k.transpose(-1, -2)  # (B, Hk, d, S)
+        # [P | k̃_0 … k̃_{S−1}] as (B, Hk, d, 1 + S) float32, contiguous along S (as k in
+        # chunks._iter): the product's first column is q_i·P
+        self.kt = kt = torch.empty(batch, kv, dim, 1 + keys, device=q.device)
+        if valid is None:
+            w = None
+            kbar = kT.mean(-1, keepdim=True, dtype=torch.float32)
+            torch.sub(kT, kbar, out=kt[..., 1:])
+            n = torch.ones(1, 1, keys, device=q.device)
+        else:
+            w = valid.to(torch.float32).expand(batch, kv, keys)
+            kbar = (kT * w.unsqueeze(-2)).sum(-1, keepdim=True) / w.sum(-1).clamp(min=1)[..., None, None]
+            torch.sub(kT, kbar, out=kt[..., 1:]).mul_(w.unsqueeze(-2))
+            n = w
+        # q_i·k̄ = q̄·k̄ + (q_i − q̄)·k̄: the large part in float64, the rest from centred q (in
+        # float32 q_i·k̄ would round by 2⁻²⁴·|q_i|·|k̄|, the whole spread of mean-dominated logits)
+        qbar = q.mean((0, 2), keepdim=True, dtype=torch.float64).float()  # (1, H, 1, d)
+        kq = kbar.transpose(-1, -2).unsqueeze(2).expand(batch, kv, g, 1, dim).reshape(batch, heads, 1, dim)
+        self.shift = (qbar.double() * kq.double()).sum(-1) + ((q - qbar) * kq).sum(-1)  # (B, H, L) float64
+        if call.causal:
+            # Σ k̃ over the keys before each chunk (filled into column 1 per chunk) and each
+            # row's count of valid keys (rows after the last key: all)
+            starts = torch.arange(0, length, step, device=q.device).clamp(max=keys)
+            before = F.pad(kt[..., 1:].cumsum(-1, dtype=torch.float64), (1, 0))
+            self.before = before.index_select(-1, starts).float()  # (B, Hk, d, chunks)
+            counts = n.cumsum(-1)
+            rows = counts.index_select(-1, torch.arange(length, device=q.device).clamp(max=keys - 1))
+        else:
+            kt[..., 0] = kt[..., 1:].sum(-1)  # the residual of the centring, ≈ 0
+            rows = n.sum(-1, keepdim=True).expand(*n.shape[:2], length)
+        self.n = rows.unsqueeze(2).expand(batch, kv, g, length).reshape(batch, heads, length)
+        self.keybias = None if w is None else torch.where(valid, 0.0, NEG).unsqueeze(-2)  # (b, h, 1, S)
+
+
+def _softmax_sums(D: Tensor, scales: Sequence[float], e: Tensor) -> List[Tensor]:
+    """``[Σe_1, Σe·D_1, Σe_2, …]`` per row for ``e = exp(σD)`` (``exp2`` of ``σ·log2(e)·D``)."""
+    sums = []
+    for sigma in scales:
+        torch.mul(D, sigma * _LOG2E, out=e).exp2_()
+        sums.append(e.sum(-1))
+        sums.append(e.mul_(D).sum(-1))
+    return sums
+
+
+def centred_stats(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[float], step: int,
+                  picks: Sequence[Optional[Tensor]]) -> Tuple[List[Tensor], List[Tensor]]:
+    """Per-row sums of the centred path (module docstring), as :func:`probe.stats.shifted.shifted_rows`
+    returns them for every chunk together, except ``exact = [n, r, μ, M2, 0]``: each row's exact
+    mean and ``M2`` instead of ``ΣD`` and ``ΣD²`` (see :func:`row_moments`).
+
+    Per chunk: one product (its first two columns ``q_i·k̄`` and ``q_i·P``), ``‖C‖²``, the mask's
+    addition and ``amax``. The sampled rows (``picks``, local indices per chunk) are copied out
+    and their exponentials computed once after the loop; with ``picks`` all ``None`` (every row)
+    each chunk's exponentials run while it is in cache.
+    """
+    q = call.q
+    batch, heads, length, dim = q.shape
+    keys = call.k.shape[2]
+    device = q.device
+    prep = CentredPrep(call, valid, step)
+    upper = None
+    if call.causal:
+        upper = torch.zeros(step, step, device=device).masked_fill_(
+            torch.ones(step, step, dtype=torch.bool, device=device).triu(1), NEG)
+    every = all(p is None for p in picks)
+    full_buf = torch.empty(batch * heads * step * (keys + 1), device=device)
+    work = torch.empty(batch * heads * step * keys if every else 0, device=device)
+    sampled = None
+    if not every:  # the sampled rows' C, masked (NEG) beyond each chunk's keys
+        total = sum(int(p.shape[0]) for p in picks if p is not None)
+        sampled = torch.full((batch, heads, total, keys), NEG, device=device)
+    parts: List[Tensor] = []
+    soft_parts: List[Tensor] = []
+    filled = flushed = 0
+    cmax_parts: List[Tensor] = []  # the sampled rows' amax, until their exponentials run
+    for index, r0 in enumerate(range(0, length, step)):
+        r1 = min(length, r0 + step)
+        rows = r1 - r0
+        cols = min(keys, r1) if call.causal else keys  # a causal chunk stops at its last query
+        if prep.causal:
+            prep.kt[..., 0] = prep.before[..., index]
+        full = full_buf[: batch * heads * rows * (cols + 1)].view(batch, heads, rows, cols + 1)
+        qc = q[:, :, r0:r1].float()
+        if prep.g > 1:  # q rows as (B, Hk, g·rows, d): one product per kv head (chunks._iter)
+            torch.matmul(qc.reshape(batch, prep.kv, prep.g * rows, dim), prep.kt[..., : 1 + cols],
+                         out=full.view(batch, prep.kv, prep.g * rows, cols + 1))
+        else:
+            torch.matmul(qc, prep.kt[..., : 1 + cols], out=full)
+        C = full[..., 1:]
+        extra = None
+        if upper is not None and cols > r0:  # masked keys are 0 in C: only the causal block is masked
+            diag = C[..., r0:]
+            block = upper[:rows, : cols - r0]
+            kept = diag * (block == 0)
+            extra = torch.stack([kept.sum(-1), torch.linalg.vector_norm(kept, dim=-1)])
+            sq = torch.linalg.vector_norm(C[..., :r0], dim=-1) if r0 > 0 else torch.zeros_like(extra[1])
+            diag.add_(block)
+        else:
+            sq = torch.linalg.vector_norm(C, dim=-1)
+        if prep.keybias is not None:
+            C.add_(prep.keybias[..., :cols])
+        cmax = C.amax(-1)
+        stats = [full[..., 0], sq, cmax]
+        if extra is not None:
+            stats += [extra[0], extra[1]]
+        else:
+            zero = torch.zeros_like(sq)
+            stats += [zero, zero]
+        parts.append(torch.stack(stats))
+        pick = picks[index]
+        if every:
+            top = torch.where(cmax <= NEG / 2, 0.0, cmax).unsqueeze(-1)
+            soft_parts.append(torch.stack(_softmax_sums(C.sub_(top), scales, work[: C.numel()].view(C.shape))))
+        else:
+            if pick is not None and pick.shape[0] > 0:
+                n_pick = pick.shape[0]
+                sampled[:, :, filled : filled + n_pick, :cols] = C.index_select(2, pick)
+                cmax_parts.append(cmax.index_select(2, pick))
+                filled += n_pick
+            # exponentials of the rows gathered so far: at the end, or (causal) once there are
+            # enough of them, over the keys seen so far only
+            if filled > flushed and (r1 == length or (call.causal and filled - flushed >= _FLUSH_ROWS)):
+                top = torch.cat(cmax_parts, dim=-1) if len(cmax_parts) > 1 else cmax_parts[0]
+                D = sampled[:, :, flushed:filled, :cols].sub_(torch.where(top <= NEG / 2, 0.0, top).unsqueeze(-1))
+                e = torch.empty(D.shape, device=device)
+                soft_parts.append(torch.stack(_softmax_sums(D, scales, e)))
+                flushed, cmax_parts = filled, []
+    per_row = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]  # (5, B, H, L)
+    c_off, sq, cmax, c_diag, sq_diag = per_row.unbind(0)
+    shift = prep.shift
+    n = prep.n
+    safe = n.double().clamp(min=1)
+    csum = c_off.double() + c_diag.double()  # Σ_j C_ij over the valid keys
+    m2 = (sq.double().square() + sq_diag.double().square() - csum * csum / safe).clamp(min=0)
+    mean = shift + csum / safe
+    cmax = torch.where(cmax <= NEG / 2, 0.0, cmax)  # a fully masked row
+    r = torch.where(n > 0, (cmax + shift).float(), 0.0)
+    zero = torch.zeros((), device=device).expand(n.shape)
+    exact = [n, r, mean, m2, zero]  # float64 mean and M2
+    if every:
+        soft_all = torch.cat(soft_parts, dim=-1) if len(soft_parts) > 1 else soft_parts[0]
+        return exact, [n, r] + list(soft_all.unbind(0))
+    rows_all = torch.cat([p + r0 for p, r0 in zip(picks, range(0, length, step)) if p is not None])
+    n_s, r_s = n.index_select(2, rows_all), r.index_select(2, rows_all)
+    if not soft_parts:  # no sampled row
+        return exact, [n_s, r_s] + [torch.zeros_like(n_s) for _ in range(2 * len(scales))]
+    soft_all = torch.cat(soft_parts, dim=-1) if len(soft_parts) > 1 else soft_parts[0]
+    return exact, [n_s, r_s] + list(soft_all.unbind(0))
+
+
+def row_moments(n: Tensor, mean_row: Tensor, m2: Tensor, acc: torch.dtype) -> Tensor:
+    """``(3, H)`` ``[count, mean, M2]`` per head from every row's count, mean and ``M2``
+    ``(B, H, L)``, combined in ``acc`` (Chan: a sum of non-negative terms, no cancellation)."""
+    n64 = n.to(acc)
+    mean_row = mean_row.to(acc)
+    count = n64.sum((0, 2))
+    mean = (n64 * mean_row).sum((0, 2)) / count.clamp(min=1)
+    spread = (n64 * (mean_row - mean.view(1, -1, 1)).square()).sum((0, 2))
+    return torch.stack([count, mean, torch.where(n > 0, m2.to(acc), 0.0).sum((0, 2)) + spread])

@@ -1,0 +1,195 @@
+"""The centred path (probe.stats.moments) against float64 references of the model's own logits.
+
+Every mask kind it takes (none, key padding as a broadcast row or as Hugging Face's full
+``(B, 1, L, S)`` mask, causal, causal with key padding), grouped-query attention, ``L != S``,
+tiny shapes, fully padded rows, and adversarial inputs whose logits have a mean ~1e5 times their
+spread (float32 logits lose most of it; the row shift here is float64).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from probe.call import AttentionCall
+from probe.stats import functional, moments
+from probe.stats.functional import forward_stats
+from tests.helpers import masked_logits64
+
+
+def _reference(call: AttentionCall, key_mask, scale: float):
+    z, valid = masked_logits64(call.q, call.k, scale, call.causal, key_mask)
+    heads = z.shape[1]
+    out = {"count": [], "mean": [], "var": [], "max": [], "entropy": [], "max_prob": []}
+    for h in range(heads):
+        v = z[:, h][valid[:, h]]
+        out["count"].append(float(v.numel()))
+        out["mean"].append(float(v.mean()) if v.numel() else 0.0)
+        out["var"].append(float(v.var(unbiased=False)) if v.numel() else math.nan)
+        out["max"].append(float(v.max()) if v.numel() else -math.inf)
+        zh = z[:, h].masked_fill(~valid[:, h], -math.inf)
+        rows = valid[:, h].sum(-1) >= 2  # entropy and max_prob count rows with two keys or more
+        p = torch.softmax(zh[rows], -1)
+        ent = -(p * torch.log(p.clamp(min=1e-300))).sum(-1) / torch.log(valid[:, h].sum(-1)[rows].double())
+        out["entropy"].append(float(ent.sum()))
+        out["max_prob"].append(float(p.amax(-1).sum()))
+    return {key: torch.tensor(v, dtype=torch.float64) for key, v in out.items()}
+
+
+def _inputs(b=2, h=4, hk=2, l=40, s=40, d=8, mean=0.0, noise=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = mean + noise * torch.randn(b, h, l, d, generator=g)
+    k = mean + noise * torch.randn(b, hk, s, d, generator=g)
+    return q, k
+
+
+def _mask(kind: str, b: int, l: int, s: int):
+    """(call mask, key mask for the reference)."""
+    keys = torch.ones(b, 1, 1, s, dtype=torch.bool)
+    keys[-1, ..., s - s // 3 :] = False  # the last batch row: its last third is padding
+    if kind == "none":
+        return None, None
+    if kind == "row":  # a broadcast row
+        return keys, keys
+    if kind == "full":  # Hugging Face: the padding expanded to (B, 1, L, S)
+        return keys.expand(b, 1, l, s).clone(), keys
+    raise ValueError(kind)
+
+
+def _spy(monkeypatch):
+    seen = []
+    real = moments.centred_stats
+
+    def spy(*args, **kwargs):
+        seen.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(functional, "centred_stats", spy)
+    return seen
+
+
+def _check(call, key_mask, scale=0.25, rtol=1e-5, rows=None):
+    got = forward_stats(call, {"actual": scale}, budget_bytes=2**14, rows=rows)  # several chunks
+    ref = _reference(call, key_mask, scale)
+    n, mean, m2 = got["logit@actual"].double()
+    torch.testing.assert_close(n, ref["count"], rtol=0, atol=0)
+    seen = ref["count"] > 0
+    spread = ref["var"][seen].sqrt().max().item()  # a mean near 0 is exact to the logits' spread
+    torch.testing.assert_close(mean, ref["mean"], rtol=rtol, atol=1e-6 * spread)
+    torch.testing.assert_close((m2 / n.clamp(min=1))[seen], ref["var"][seen], rtol=rtol, atol=1e-12)
+    torch.testing.assert_close(got["logit_max@actual"].double(), ref["max"], rtol=1e-6, atol=1e-6)
+    if rows is None:
+        torch.testing.assert_close(got["entropy@actual"].double(), ref["entropy"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got["max_prob@actual"].double(), ref["max_prob"], rtol=1e-4, atol=1e-4)
+    assert float(got["nonfinite"].sum()) == 0
+    return got
+
+
+@pytest.mark.parametrize("hk", [4, 2])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", ["none", "row", "full"])
+def test_centred_moments_match_float64(monkeypatch, kind, causal, hk):
+    seen = _spy(monkeypatch)
+    q, k = _inputs(hk=hk)
+    mask, key_mask = _mask(kind, 2, 40, 40)
+    if kind == "full" and causal:  # Hugging Face's causal and padding mask, with is_causal
+        mask = mask & torch.ones(40, 40, dtype=torch.bool).tril()
+    call = AttentionCall(q=q, k=k, v=None, scale=0.25, mask=mask, causal=causal)
+    _check(call, key_mask)
+    assert seen  # the centred path ran
+
+
+@pytest.mark.parametrize("hk", [4, 2])
+def test_hugging_faces_causal_padding_mask_without_is_causal(monkeypatch, hk):
+    # transformers passes causality and padding as one (B, 1, L, S) bool mask, is_causal=False
+    seen = _spy(monkeypatch)
+    q, k = _inputs(hk=hk)
+    mask, key_mask = _mask("full", 2, 40, 40)
+    mask = mask & torch.ones(40, 40, dtype=torch.bool).tril()
+    call = AttentionCall(q=q, k=k, v=None, scale=0.25, mask=mask, causal=False)
+    assert moments.key_validity(call)[2] is True
+    got = forward_stats(call, {"actual": 0.25}, budget_bytes=2**14)
+    ref = _check(AttentionCall(q=q, k=k, v=None, scale=0.25, mask=key_mask, causal=True), key_mask)
+    for key in got:
+        torch.testing.assert_close(got[key], ref[key], rtol=1e-6, atol=1e-6, msg=key)
+    assert seen
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(40, 17), (17, 40), (1, 1), (1, 5), (5, 1)])
+def test_lengths_and_tiny_shapes(monkeypatch, shape, causal):
+    seen = _spy(monkeypatch)
+    l, s = shape
+    q, k = _inputs(l=l, s=s)
+    mask, key_mask = _mask("row", 2, l, s) if s > 2 else (None, None)
+    _check(AttentionCall(q=q, k=k, v=None, scale=0.25, mask=mask, causal=causal), key_mask)
+    assert seen
+
+
+def test_a_fully_padded_batch_row_counts_nothing(monkeypatch):
+    seen = _spy(monkeypatch)
+    q, k = _inputs()
+    mask = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    mask[1] = False
+    got = _check(AttentionCall(q=q, k=k, v=None, scale=0.25, mask=mask), mask)
+    assert seen and torch.equal(got["rows"], torch.full((4,), 40.0, dtype=got["rows"].dtype))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mean,noise", [(10.0, 1e-2), (100.0, 1e-3), (30.0, 1e-4)])
+def test_mean_dominated_logits_keep_their_variance(monkeypatch, mean, noise, causal):
+    # logits ~ d·mean² with a spread ~1e-3 .. 1e-6 of it: float32 logits keep ~1e-3 of the
+    # variance at the worst case here (the path before this one); the centred path's float64 row
+    # shift keeps 1e-6 (measured ~1e-8)
+    seen = _spy(monkeypatch)
+    q, k = _inputs(l=300, s=300, d=16, mean=mean, noise=noise)
+    call = AttentionCall(q=q, k=k, v=None, scale=1.0, causal=causal)
+    got = forward_stats(call, {"actual": 1.0})
+    ref = _reference(call, None, 1.0)
+    n, mu, m2 = got["logit@actual"].double()
+    torch.testing.assert_close(m2 / n, ref["var"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(mu, ref["mean"], rtol=1e-9, atol=0)
+    assert seen
+
+
+def test_sampled_rows_take_the_centred_path_too(monkeypatch):
+    seen = _spy(monkeypatch)
+    q, k = _inputs(l=64, s=64)
+    call = AttentionCall(q=q, k=k, v=None, scale=0.25, causal=True)
+    got = _check(call, None, rows=torch.tensor([0, 5, 17, 40, 63]))
+    assert seen and "entropy_var@actual" in got
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf", "huge"])
+def test_inputs_not_proven_finite_take_the_exact_path(monkeypatch, poison):
+    seen = _spy(monkeypatch)
+    q, k = _inputs()
+    q[0, 1, 3, 2] = {"nan": math.nan, "inf": math.inf, "huge": 1e30}[poison]
+    call = AttentionCall(q=q, k=k, v=None, scale=0.25, causal=True)
+    assert not moments.inputs_finite(call)
+    got = forward_stats(call, {"actual": 0.25})
+    assert not seen
+    if poison != "huge":
+        assert float(got["nonfinite"].sum()) > 0
+
+
+def test_a_mask_that_depends_on_the_row_takes_the_exact_path(monkeypatch):
+    seen = _spy(monkeypatch)
+    q, k = _inputs()
+    mask = torch.ones(2, 1, 40, 40, dtype=torch.bool)
+    mask[0, 0, 3, :10] = False
+    call = AttentionCall(q=q, k=k, v=None, scale=0.25, mask=mask)
+    assert moments.key_validity(call)[0] is False
+    forward_stats(call, {"actual": 0.25})
+    assert not seen
+
+
+def test_the_row_independence_verdict_follows_in_place_changes():
+    q, k = _inputs()
+    mask = torch.ones(2, 1, 40, 40, dtype=torch.bool)
+    call = AttentionCall(q=q, k=k, v=None, scale=0.25, mask=mask)
+    assert moments.key_validity(call)[0]
+    mask[0, 0, 3, 1] = False  # the same tensor, changed: checked again
+    assert not moments.key_validity(call)[0]
