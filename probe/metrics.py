@@ -160,9 +160,11 @@ def fold(kind: Fold, values: np.ndarray) -> float:
         return float(finite.sum())
     if kind == "rss":
         return float(np.sqrt(np.square(finite).sum()))
+    # means as numpy's mean computes them (its sum, divided by the count), without the wrapper
+    # that cost more than the arithmetic: a flush folds a hundred of these
     if kind == "rms":
-        return float(np.sqrt(np.square(finite).mean()))
-    return float(finite.mean())
+        return float(np.sqrt(float(np.add.reduce(np.square(finite))) / finite.size))
+    return float(np.add.reduce(finite)) / finite.size
 
 
 def head_reduce(metric: str, values: np.ndarray) -> float:

@@ -23,6 +23,7 @@ writer; reading a tag back decodes the raw name, which the summary keeps.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
@@ -41,6 +42,7 @@ SITES_TAG = "probe.sites"
 _HEAD = re.compile(r"head(\d+)")
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the same few hundred tags at every flush
 def scalar_tag(metric: str, scale: str, site: str, head: Optional[int] = None) -> str:
     """``probe.{metric}/{scale}/{site}``, or ``.../head{h:02d}`` for one head (names encoded)."""
     tag = f"{PREFIX}{metric}/{encode_name(scale)}/{encode_name(site)}"
