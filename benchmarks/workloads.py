@@ -6,6 +6,8 @@
   is 25 % padding (Hugging Face turns it into a float SDPA mask).
 - ``llama-gqa``: Llama decoder, SDPA, 4 layers, hidden 256, 8 query heads / 2 kv heads (d_k 32),
   batch 1, sequence 1024, causal.
+- ``bert-padded-eager``, ``llama-gqa-eager``: the same models with ``attn_implementation="eager"``:
+  an explicit softmax over ``q·kᵀ·s + mask``, the mask a float tensor (0 / ``finfo.min``).
 
 Each step is forward + backward of a scalar loss (the mean square of the last hidden state).
 """
@@ -26,14 +28,14 @@ class Workload(NamedTuple):
     step: Callable[[torch.nn.Module], None]
 
 
-def _bert(seq: int, batch: int, padded: bool) -> Workload:
+def _bert(seq: int, batch: int, padded: bool, attn: str = "sdpa") -> Workload:
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
     config = BertConfig(
         vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
         intermediate_size=1024, max_position_embeddings=max(512, seq), hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, attn_implementation="sdpa",
+        attention_probs_dropout_prob=0.0, attn_implementation=attn,
     )
     model = BertModel(config).train()
     torch.manual_seed(1)
@@ -48,18 +50,19 @@ def _bert(seq: int, batch: int, padded: bool) -> Workload:
         out.float().square().mean().backward()
 
     what = "padding mask (2nd row 25 % padding)" if padded else "no mask"
-    desc = f"HF BERT, SDPA, 4 layers, hidden 256, 4 heads, batch {batch}, seq {seq}, {what}"
-    return Workload("bert-padded" if padded else "bert", desc, model, step)
+    desc = f"HF BERT, {_ATTN[attn]}, 4 layers, hidden 256, 4 heads, batch {batch}, seq {seq}, {what}"
+    name = ("bert-padded" if padded else "bert") + ("" if attn == "sdpa" else f"-{attn}")
+    return Workload(name, desc, model, step)
 
 
-def _llama(seq: int, batch: int) -> Workload:
+def _llama(seq: int, batch: int, attn: str = "sdpa") -> Workload:
     from transformers import LlamaConfig, LlamaModel
 
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=max(1024, seq),
-        attn_implementation="sdpa",
+        attn_implementation=attn,
     )
     model = LlamaModel(config).train()
     torch.manual_seed(1)
@@ -70,8 +73,11 @@ def _llama(seq: int, batch: int) -> Workload:
         out = m(input_ids=ids).last_hidden_state
         out.float().square().mean().backward()
 
-    desc = f"HF Llama, SDPA, 4 layers, hidden 256, 8 heads / 2 kv heads, batch {batch}, seq {seq}, causal"
-    return Workload("llama-gqa", desc, model, step)
+    desc = f"HF Llama, {_ATTN[attn]}, 4 layers, hidden 256, 8 heads / 2 kv heads, batch {batch}, seq {seq}, causal"
+    return Workload("llama-gqa" + ("" if attn == "sdpa" else f"-{attn}"), desc, model, step)
+
+
+_ATTN = {"sdpa": "SDPA", "eager": "eager (float mask, explicit softmax)"}
 
 
 #: name -> (default seq, default batch, builder(seq, batch))
@@ -79,6 +85,8 @@ WORKLOADS: Dict[str, tuple] = {
     "bert-padded": (512, 2, lambda seq, batch: _bert(seq, batch, padded=True)),
     "llama-gqa": (1024, 1, _llama),
     "bert": (512, 2, lambda seq, batch: _bert(seq, batch, padded=False)),
+    "bert-padded-eager": (512, 2, lambda seq, batch: _bert(seq, batch, padded=True, attn="eager")),
+    "llama-gqa-eager": (1024, 1, lambda seq, batch: _llama(seq, batch, attn="eager")),
 }
 
 
