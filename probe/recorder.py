@@ -140,7 +140,7 @@ class GradHooks:
         if not scales:
             return
         if from_probs:
-            fields = grad_logits_stats(record, None, scales, budget, grad_probs=grad)
+            fields = grad_logits_stats(record, None, scales, budget, grad_probs=grad, rows=rows)
         else:
             fields = grad_logits_stats(record, grad, scales, budget, rows=rows)
         if fields:

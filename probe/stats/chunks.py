@@ -78,7 +78,7 @@ MASK_BIAS = -100.0
 
 
 def _bias_valid(bias: Tensor) -> Tensor:
-    return bias > MASK_BIAS
+    return ~(bias <= MASK_BIAS)  # a NaN bias masks nothing: it makes its logit NaN, as in the model
 
 
 def _chunk_mask(call: AttentionCall, r0: int, r1: int, pos: Optional[Tensor],

@@ -34,6 +34,7 @@ from probe.stats.chunks import (
     sample_rows,
 )
 from probe.stats.general import combine_moments, general_chunk, logit_moments, softmax_stats
+from probe.stats.masks import simplify
 from probe.stats.moments import centred_stats, inputs_finite, key_validity, row_moments
 from probe.stats.shifted import causal_upper, grad_logits_shifted, shifted_reduce, shifted_rows
 
@@ -118,6 +119,7 @@ def forward_stats(
     keys = call.k.shape[2]
     if batch * heads * length * keys == 0:
         return {}  # batch 0, no heads, no queries or no keys: nothing to measure
+    call = simplify(call)  # a float mask as a boolean one, HF's causal + padding mask as causal
     acc = accumulation_dtype(call.q.device)
     groups: Dict[object, List[str]] = {}
     for name, value in scales.items():

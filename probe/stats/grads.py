@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall, Scale
+from probe.stats.masks import simplify
 from probe.stats.functional import accumulation_dtype, chunk_rows, grad_logits_shifted, iter_chunks, shiftable
 
 __all__ = ["BACKWARD_METRICS", "grad_logits_chunk", "grad_logits_stats", "grad_scale", "head_sq"]
@@ -212,7 +213,8 @@ def grad_logits_stats(
             the forward statistics used), or ``None`` for every row. Sampled, the common case
             (:func:`~probe.stats.shifted.grad_logits_shifted`) forms only those rows and reports
             Horvitz-Thompson estimates of the sums, with their variances in
-            ``grad_logits_var@{scale}``; other calls (bias, softcap, ``grad_probs``) stay exact.
+            ``grad_logits_var@{scale}``, ``dP`` from ``grad_output`` or ``grad_probs`` alike;
+            other calls (bias, softcap, own logits) stay exact.
 
     Returns:
         ``{"grad_logits_sq@{name}": (H,) tensor}`` in the accumulation dtype; empty when the call
@@ -226,6 +228,8 @@ def grad_logits_stats(
     batch, heads, length, _ = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     acc = accumulation_dtype(q.device)
+    if batch * heads * length * keys > 0:
+        call = simplify(call)  # as the forward: a float mask as a boolean one, HF's as causal
     if grad_probs is not None:
         dprobs = grad_probs.reshape(batch, heads, length, keys)
         gs = grad_scale(dprobs)  # dP scaled to at most 2: no float32 overflow in the squares
@@ -257,11 +261,17 @@ def grad_logits_stats(
         groups.setdefault(key, []).append(name)
 
     values = [scales[names[0]] for names in groups.values()]
-    if groups and not own_logits and grad_probs is None and shiftable(call, values):  # type: ignore[arg-type]
+    if groups and not own_logits and shiftable(call, values):  # type: ignore[arg-type]
         # the common case (no bias, no softcap, positive float scales): shared shifted logits,
-        # one exp2 per scale, cache-sized chunks (probe.stats.functional.grad_logits_shifted)
-        parts, variances = grad_logits_shifted(call, dout, vt, [float(v) for v in values], budget_bytes,  # type: ignore[arg-type]
-                                               acc, grad_scale=gs, positions=rows)
+        # one exp2 per scale, cache-sized chunks (probe.stats.functional.grad_logits_shifted);
+        # dP from dout·vᵀ or, for an eager call, the hooked ∂L/∂P
+        floats = [float(v) for v in values]  # type: ignore[arg-type]
+        if grad_probs is not None:
+            parts, variances = grad_logits_shifted(call, None, None, floats, budget_bytes, acc, grad_scale=gs,
+                                                   positions=rows, dprobs=dprobs)
+        else:
+            parts, variances = grad_logits_shifted(call, dout, vt, floats, budget_bytes, acc, grad_scale=gs,
+                                                   positions=rows)
         unscale = gs.to(acc).square()
         fields = {f"grad_logits_sq@{name}": part / unscale for names, part in zip(groups.values(), parts) for name in names}
         if variances is not None:

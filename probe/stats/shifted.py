@@ -182,15 +182,48 @@ def shifted_reduce(exact: List[Tensor], soft_rows: List[Tensor], scales: Sequenc
         if design is None:
             soft.append(torch.stack([n_ok] + [v.sum(dims, dtype=acc) for v in per_row]))
         else:
-            soft.append(torch.stack([n_ok] + [(v.to(acc) * weight).sum(dims) for v in per_row]))
-            variances.append(torch.stack(per_row))
+            totals, residuals = _ratio_totals(per_row, ok, weight, n_ok, dims, acc)
+            soft.append(torch.stack([n_ok] + totals))
+            variances.append(residuals)
         if i == 0:  # every row of the probabilities at `actual` is non-finite where σr is (docstring)
             top_z = sigma * r
             bad_rows = torch.isnan(top_z) | (top_z == math.inf)
             nonfinite = bad.sum(dims, dtype=acc) + torch.where(bad_rows, n, 0.0).sum(dims, dtype=acc)
-    # every scale's three variances in one pass: (len(scales), 3, B, H, N) -> (len(scales), 3, H)
-    var = total_variance(torch.stack(variances), design).to(acc) if design is not None else None
+    var = None
+    if design is not None:
+        # every scale's three variances in one pass: (len(scales), 3, B, H, N) -> (len(scales), 3, H)
+        var = total_variance(torch.stack([r for r, _ in variances]), design).to(acc) * variances[0][1]
     return moments, torch.stack(soft), nonfinite, var  # type: ignore[return-value]
+
+
+def _ratio_totals(per_row: Sequence[Tensor], ok: Tensor, weight: Tensor, n_ok: Tensor, dims: Tuple[int, int],
+                  acc: torch.dtype) -> Tuple[List[Tensor], Tuple[Tensor, Tensor]]:
+    """Totals over the valid rows of per-row values sampled at positions with weights ``weight``,
+    by the ratio estimator: ``T̂ = n · Σ w·y / Σ w·x`` with ``x`` the row's validity and ``n`` the
+    exact number of valid rows (``n_ok``), so that ``T̂ / n`` is the mean over the sampled valid
+    rows, weighted. Where the number of valid rows differs between positions (left padding under
+    causal masking: a padded query sees no key) the Horvitz-Thompson total ``Σ w·y`` divided by
+    the exact ``n`` mixes the sample's share of valid rows into the mean (measured: a normalized
+    entropy of 1.16 on a 12-token batch, with a standard error of 5e-6); the ratio is exact for
+    values that are equal in every valid row and equals the Horvitz-Thompson total where every
+    position has the same number of valid rows.
+
+    Returns the totals (``(H,)`` per value) and ``(residuals, factor)``: the variance of each
+    total is :func:`total_variance` of the residuals ``y − R̂·x`` (``(3, B, H, N)``) times
+    ``factor = (n / Σ w·x)²`` (linearization). A head with no valid row drawn keeps the
+    Horvitz-Thompson total (0) and its variance."""
+    x = ok.to(acc)
+    x_hat = (x * weight).sum(dims)
+    drawn = x_hat > 0
+    factor = torch.where(drawn, n_ok / torch.where(drawn, x_hat, 1.0), 1.0)
+    totals, residuals = [], []
+    for v in per_row:
+        v = v.to(acc)
+        y_hat = (v * weight).sum(dims)
+        ratio = torch.where(drawn, y_hat / torch.where(drawn, x_hat, 1.0), 0.0)
+        totals.append(torch.where(drawn, ratio * n_ok, y_hat))
+        residuals.append(v - ratio.view(1, -1, 1) * x)
+    return totals, (torch.stack(residuals), factor.square())
 
 
 def total_variance(per_row: Tensor, design: Tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
@@ -207,9 +240,10 @@ def total_variance(per_row: Tensor, design: Tuple[Tensor, Tensor, Tensor, Tensor
 _BACKWARD_LIVE_BUFFERS = 8
 
 
-def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: Sequence[float],
+def grad_logits_shifted(call: AttentionCall, dout: Optional[Tensor], vt: Optional[Tensor], values: Sequence[float],
                          budget_bytes: int, acc: torch.dtype, grad_scale: Optional[Tensor] = None,
-                         positions: Optional[Tensor] = None) -> Tuple[List[Tensor], Optional[List[Tensor]]]:
+                         positions: Optional[Tensor] = None, dprobs: Optional[Tensor] = None
+                         ) -> Tuple[List[Tensor], Optional[List[Tensor]]]:
     """Per-head ``Σ (∂L/∂Z^σ)²`` for positive float scales without bias or softcap (the common
     case), one tensor per scale in ``values``.
 
@@ -221,8 +255,8 @@ def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: S
 
     Args:
         call: the attention computation (no bias, no softcap).
-        dout: ``∂L/∂out`` as ``(B, H, L, dv)``.
-        vt: ``vᵀ`` in float32, ``(B, Hk, dv, S)``.
+        dout: ``∂L/∂out`` as ``(B, H, L, dv)`` (``None`` with ``dprobs``).
+        vt: ``vᵀ`` in float32, ``(B, Hk, dv, S)`` (``None`` with ``dprobs``).
         values: the distinct scales, all ``> 0`` (see :func:`shiftable`).
         budget_bytes: extra memory one chunk may use.
         acc: the accumulation dtype.
@@ -231,6 +265,9 @@ def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: S
         positions: sorted CPU positions of sampled query rows (the ``rows=`` budget), or ``None``
             for every row. Only those rows' ``q·kᵀ`` and ``dP`` are formed: the cost is
             proportional to their number.
+        dprobs: ``dP = ∂L/∂P`` itself as ``(B, H, L, S)`` (an eager call's hooked softmax
+            output, attention dropout included), instead of ``dout · vᵀ``: each chunk copies its
+            rows of it (scaled by ``grad_scale``), no product.
 
     Returns:
         ``(sums, variances)``: per scale, the per-head sum over every row, or with
@@ -242,7 +279,8 @@ def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: S
     """
     batch, heads, length, _ = call.q.shape
     keys, kv_heads = call.k.shape[2], call.kv_heads
-    vt = vt.transpose(-1, -2).contiguous().transpose(-1, -2)  # once, not per chunk (as k in _iter)
+    if vt is not None:
+        vt = vt.transpose(-1, -2).contiguous().transpose(-1, -2)  # once, not per chunk (as k in _iter)
     if positions is not None and positions.shape[0] >= length:
         positions = None
     if batch * heads * length * keys == 0:
@@ -266,16 +304,25 @@ def grad_logits_shifted(call: AttentionCall, dout: Tensor, vt: Tensor, values: S
         rows, cols = R.shape[2], R.shape[3]
         n = R.numel()
         dP, e, t = (work[i * n : (i + 1) * n].view(R.shape) for i in range(3))
-        dc = dout[:, :, r0 : r0 + rows] if picked is None else dout.index_select(2, picked[r0 : r0 + rows])
-        dc, vc = dc.float(), vt[..., :cols]
-        if grad_scale is not None:
-            dc = dc * grad_scale
-        if kv_heads != heads:
-            g = heads // kv_heads
-            torch.matmul(dc.reshape(batch, kv_heads, g * rows, -1), vc,  # as q rows in chunks._iter
-                         out=dP.view(batch, kv_heads, g * rows, cols))
+        if dprobs is not None:  # dP given: this chunk's rows of it, scaled
+            src = dprobs[..., :cols]
+            src = src[:, :, r0 : r0 + rows] if picked is None else src.index_select(2, picked[r0 : r0 + rows])
+            if grad_scale is not None:
+                torch.mul(src, grad_scale, out=dP)
+            else:
+                dP.copy_(src)
         else:
-            torch.matmul(dc, vc, out=dP)
+            assert dout is not None and vt is not None
+            dc = dout[:, :, r0 : r0 + rows] if picked is None else dout.index_select(2, picked[r0 : r0 + rows])
+            dc, vc = dc.float(), vt[..., :cols]
+            if grad_scale is not None:
+                dc = dc * grad_scale
+            if kv_heads != heads:
+                g = heads // kv_heads
+                torch.matmul(dc.reshape(batch, kv_heads, g * rows, -1), vc,  # as q rows in chunks._iter
+                             out=dP.view(batch, kv_heads, g * rows, cols))
+            else:
+                torch.matmul(dc, vc, out=dP)
         # a sum of R proves the chunk finite on CPUs, where an added mask is cheaper (mask_)
         mask_(R, valid, None if upper is None else (r0, upper), valid is not None and all_finite(R))
         rmax = R.amax(-1, keepdim=True)

@@ -170,3 +170,22 @@ def test_probe_rows_option_estimates_and_says_so_in_info():
 def test_bad_rows_argument(bad):
     with pytest.raises(probe.ProbeError, match="`rows`"):
         probe.watch(nn.Linear(2, 2), rows=bad)
+
+
+@pytest.mark.parametrize("rows", list(itertools.combinations(range(1, 10), 3)))
+def test_left_padding_is_a_ratio_not_a_share_of_valid_rows(rows):
+    """Left padding under causal masking: the first query rows of a padded sequence see no key
+    (no valid row). Every valid row here attends uniformly (q = 0: normalized entropy exactly 1),
+    so every sample must estimate entropy 1; a Horvitz-Thompson total divided by the exact row
+    count gave the sample's share of valid rows instead (1.16 on a 12-token Llama batch)."""
+    q = torch.zeros(2, 2, 10, 4)
+    k = torch.randn(2, 2, 10, 4, generator=torch.Generator().manual_seed(0))
+    pad = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+    pad[1, ..., :4] = False  # the second sequence starts at position 4
+    call = AttentionCall(q=q, k=k, v=None, scale=1.0, causal=True, mask=pad)
+    positions = torch.tensor((0,) + rows)
+    fields = forward_stats(call, {"actual": 1.0}, rows=positions)
+    exact = forward_stats(call, {"actual": 1.0})
+    assert torch.equal(fields["rows"], exact["rows"])
+    np.testing.assert_allclose((fields["entropy@actual"] / fields["rows"]).numpy(), 1.0, rtol=1e-6)
+    assert torch.all(fields["entropy_var@actual"] >= 0)
