@@ -27,6 +27,7 @@ from probe.recompute import Recompute
 from probe.stats.accumulator import GRAD_STEPS, Accumulator, State
 from probe.stats.functional import forward_stats, sample_rows
 from probe.stats.grads import grad_logits_stats, head_sq
+from probe.stats.masks import simplify
 
 __all__ = ["GradHooks", "Recorder", "SiteInfo", "SiteKey", "grad_scales"]
 
@@ -241,6 +242,10 @@ class Recorder:
             if call.logits is not None:  # an eager softmax whose scale is unknown: `actual` only
                 fields = self._unknown_scale_stats(call)
             else:
+                # a float mask as a boolean one, HF's (B, 1, L, S) mask as causal + key padding:
+                # the statistics take their fast paths, and the backward's record holds the small
+                # key mask instead of the model's L × S one (probe.stats.masks)
+                call = simplify(call)
                 fields = forward_stats(call, scales, self.saturation, self.memory_budget, rows=rows)
         if not fields:
             return

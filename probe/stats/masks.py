@@ -15,8 +15,8 @@ and a ``(b, h, 1, S)`` key mask, so the statistics trim each causal chunk at its
 
 Both readings are exact: the statistics see the same valid entries and the same logits. They
 need the verdict on the host, so they run on CPUs only (elsewhere reading it would synchronize)
-and once per mask tensor: every layer of a model receives the same one, and the verdict is kept,
-with a weak reference, for as long as that tensor lives and is unchanged.
+and once per mask: every layer of a model receives the same one, and the verdict is kept, with
+weak references, for as long as that mask lives and is unchanged.
 """
 
 from __future__ import annotations
@@ -35,35 +35,65 @@ from probe.stats.moments import key_validity
 
 __all__ = ["simplify"]
 
-# Verdicts per source tensor (a bias or a mask), most recent last: an encoder-decoder passes
-# two or three masks in turn. Each entry dies with its tensor (the weak reference's callback).
+# Verdicts per mask, most recent last: an encoder-decoder passes two or three masks in turn.
+# A front end may hand each layer its own alias of the model's one mask (a detached tensor: the
+# same memory, another object), so an entry is keyed by the memory it reads (address, shape,
+# strides, dtype) and holds weak references to the aliases it has seen: while one of them lives
+# that memory cannot belong to another tensor, and the version counter (shared by aliases)
+# tells an in-place change. The entry dies with its last alias.
 _MAX_ENTRIES = 8
 _Verdict = Tuple[bool, Optional[Tensor], bool]  # (simplified, key mask (b, h, 1, S) or None, causal)
-_CACHE: "OrderedDict[int, Tuple[weakref.ref, tuple, Union[_Verdict, Tensor, None]]]" = OrderedDict()
 
 
-def _key(t: Tensor, causal: bool, length: int, keys: int) -> tuple:
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version, causal, length, keys)
+class _Entry:
+    __slots__ = ("refs", "check", "value")
+
+    def __init__(self, check: tuple, value) -> None:
+        self.refs: list = []
+        self.check = check
+        self.value = value
 
 
-def _cached(t: Tensor, key: tuple):
-    entry = _CACHE.get(id(t))
-    if entry is not None and entry[0]() is t and entry[1] == key:
-        _CACHE.move_to_end(id(t))
-        return True, entry[2]
+_CACHE: "OrderedDict[tuple, _Entry]" = OrderedDict()
+
+
+def _where(t: Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _check(t: Tensor, causal: bool, length: int, keys: int) -> tuple:
+    return (t._version, causal, length, keys)
+
+
+def _watch(entry: _Entry, key: tuple, t: Tensor) -> None:
+    """Hold a weak reference to ``t`` in ``entry`` (once per object)."""
+    if any(ref() is t for ref in entry.refs):
+        return
+
+    def forget(ref: "weakref.ref", key: tuple = key, entry: _Entry = entry) -> None:
+        if ref in entry.refs:
+            entry.refs.remove(ref)
+        if not entry.refs and _CACHE.get(key) is entry:
+            del _CACHE[key]
+
+    entry.refs.append(weakref.ref(t, forget))
+
+
+def _cached(t: Tensor, check: tuple):
+    key = _where(t)
+    entry = _CACHE.get(key)
+    if entry is not None and entry.check == check and any(ref() is not None for ref in entry.refs):
+        _CACHE.move_to_end(key)
+        _watch(entry, key, t)
+        return True, entry.value
     return False, None
 
 
-def _store(t: Tensor, key: tuple, value) -> None:
-    ident = id(t)
-
-    def forget(ref: "weakref.ref", ident: int = ident) -> None:
-        entry = _CACHE.get(ident)
-        if entry is not None and entry[0] is ref:
-            del _CACHE[ident]
-
-    _CACHE[ident] = (weakref.ref(t, forget), key, value)
-    _CACHE.move_to_end(ident)
+def _store(t: Tensor, check: tuple, value) -> None:
+    key = _where(t)
+    entry = _CACHE[key] = _Entry(check, value)
+    _CACHE.move_to_end(key)
+    _watch(entry, key, t)
     while len(_CACHE) > _MAX_ENTRIES:
         _CACHE.popitem(last=False)
 
@@ -97,8 +127,8 @@ def simplify(call: AttentionCall) -> AttentionCall:
     length, keys = call.q.shape[2], call.k.shape[2]
     if call.bias is not None:
         bias = call.bias
-        key = _key(bias, call.causal, length, keys)
-        hit, value = _cached(bias, key)
+        check = _check(bias, call.causal, length, keys)
+        hit, value = _cached(bias, check)
         if not hit:
             converted = bias_mask(bias)
             value = None
@@ -106,7 +136,7 @@ def simplify(call: AttentionCall) -> AttentionCall:
                 as_mask = dataclasses.replace(call, bias=None, mask=converted)
                 ok, keymask, causal = _key_mask(as_mask) if call.mask is None else (False, None, call.causal)
                 value = (True, keymask, causal) if ok else converted
-            _store(bias, key, value)
+            _store(bias, check, value)
         if value is None:
             return call  # a genuine bias
         if isinstance(value, Tensor):  # a mask, but neither causal nor key padding (or with a
@@ -118,11 +148,11 @@ def simplify(call: AttentionCall) -> AttentionCall:
     assert mask is not None
     if mask.dim() == 4 and mask.shape[-2] == 1 and mask.shape[-1] == keys:
         return call  # already a key mask
-    key = _key(mask, call.causal, length, keys)
-    hit, value = _cached(mask, key)
+    check = _check(mask, call.causal, length, keys)
+    hit, value = _cached(mask, check)
     if not hit:
         value = _key_mask(call)
-        _store(mask, key, value)
+        _store(mask, check, value)
     ok, keymask, causal = value  # type: ignore[misc]
     if not ok:
         return call
