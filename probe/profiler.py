@@ -53,7 +53,7 @@ class Probe:
         memory_budget: bytes of extra memory the statistics of one call may use (rows in chunks).
         sinks: extra sinks receiving each flush (see :class:`probe.sinks.base.Sink`).
         rows: query-row budget (default 128): ``entropy``, ``max_prob``, ``saturation``, ``grad_logits``
-            of a call with more query rows are unbiased estimates from ``rows`` positions (the first
+            of a call with more query rows are estimates from ``rows`` positions (the first
             quarter whole, the rest stratified; seeded per site and step) with standard errors
             ``entropy_se``, ..., ``grad_logits_se``, marked as estimates in reports; shorter calls,
             ``logit_var``, ``logit_max``, ``nonfinite`` stay exact (docs/performance.md). ``None``: all exact.
