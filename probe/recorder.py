@@ -245,7 +245,7 @@ class Recorder:
                 # a float mask as a boolean one, HF's (B, 1, L, S) mask as causal + key padding:
                 # the statistics take their fast paths, and the backward's record holds the small
                 # key mask instead of the model's L × S one (probe.stats.masks)
-                call = simplify(call)
+                call = simplify(call, self.memory_budget)
                 fields = forward_stats(call, scales, self.saturation, self.memory_budget, rows=rows)
         if not fields:
             return

@@ -119,7 +119,7 @@ def forward_stats(
     keys = call.k.shape[2]
     if batch * heads * length * keys == 0:
         return {}  # batch 0, no heads, no queries or no keys: nothing to measure
-    call = simplify(call)  # a float mask as a boolean one, HF's causal + padding mask as causal
+    call = simplify(call, budget_bytes)  # a float mask as a boolean one, HF's causal + padding mask as causal
     acc = accumulation_dtype(call.q.device)
     groups: Dict[object, List[str]] = {}
     for name, value in scales.items():

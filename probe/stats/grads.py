@@ -229,7 +229,7 @@ def grad_logits_stats(
     kv_heads, keys = k.shape[1], k.shape[2]
     acc = accumulation_dtype(q.device)
     if batch * heads * length * keys > 0:
-        call = simplify(call)  # as the forward: a float mask as a boolean one, HF's as causal
+        call = simplify(call, budget_bytes)  # as the forward: a float mask as a boolean one, HF's as causal
     if grad_probs is not None:
         dprobs = grad_probs.reshape(batch, heads, length, keys)
         gs = grad_scale(dprobs)  # dP scaled to at most 2: no float32 overflow in the squares

@@ -9,7 +9,7 @@ valid logit and removes the others: it *is* a mask, and :func:`simplify` records
 
 Hugging Face also passes causality and padding as one ``(B, 1, L, S)`` mask (SDPA with
 ``is_causal=False``, eager as a bias). :func:`simplify` turns a mask that is the causal
-pattern and/or key padding (:func:`~probe.stats.moments.key_validity`) into ``causal=True``
+pattern and/or key padding (:func:`~probe.stats.moments.row_pattern`) into ``causal=True``
 and a ``(b, h, 1, S)`` key mask, so the statistics trim each causal chunk at its last query
 (about half the work) and no chunk indexes the ``L × S`` mask.
 
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from probe.call import AttentionCall
 from probe.stats.chunks import MASK_BIAS
-from probe.stats.moments import key_validity
+from probe.stats.moments import _PATTERN_BYTES, row_pattern
 
 __all__ = ["simplify"]
 
@@ -98,62 +98,86 @@ def _store(t: Tensor, check: tuple, value) -> None:
         _CACHE.popitem(last=False)
 
 
-def bias_mask(bias: Tensor) -> Optional[Tensor]:
-    """``bias > MASK_BIAS`` (True = attend) when every entry of ``bias`` is 0 or at most
-    ``MASK_BIAS`` (a float mask), else ``None``. NaN and ``+inf`` entries are not masks."""
-    valid = ~(bias <= MASK_BIAS)  # NaN: not masked (it reaches the logits, and nonfinite)
-    if not bool(torch.where(valid, bias == 0, True).all()):
+def _4d(t: Tensor) -> Tensor:
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    return t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:])
+
+
+def _rows_of(t: Tensor, length: int):
+    """``rows(r0, r1)`` of a 4-D tensor broadcastable over rows (a row dim of 1 or stride 0)."""
+    if t.shape[-2] == 1 or t.stride(-2) == 0:
+        row = t[..., :1, :]
+        return lambda r0, r1: row.expand(*row.shape[:2], r1 - r0, row.shape[-1])
+    return lambda r0, r1: t[..., r0:r1, :]
+
+
+def is_mask(bias: Tensor) -> bool:
+    """Whether every entry of ``bias`` is 0 or at most ``MASK_BIAS`` (NaN and ``+inf`` are not),
+    checked in blocks of rows (bounded temporaries)."""
+    t = _4d(bias)
+    rows = t.shape[-2]
+    step = max(1, _PATTERN_BYTES // max(1, t.shape[0] * t.shape[1] * t.shape[-1]))
+    for r0 in range(0, rows, step):
+        block = t[..., r0 : r0 + step, :]
+        if not bool((block == 0).logical_or_(block <= MASK_BIAS).all()):
+            return False
+    return True
+
+
+def _verdict(valid_rows, causal: bool, length: int, keys: int, b: int, h: int) -> Optional[_Verdict]:
+    """(True, key mask or None, causal) for a causal and/or key-padding mask given by rows, else None."""
+    verdict, row = row_pattern(valid_rows, causal, length, keys, b * h * keys)
+    if verdict is None:
         return None
-    return valid
+    assert row is not None
+    keymask = None if bool(row.all()) else row.clone()  # (b, h, 1, S): not a view of the big mask
+    return True, keymask, bool(verdict)
 
 
-def _key_mask(call: AttentionCall) -> _Verdict:
-    """(simplified, key mask, causal) of a call with a boolean mask and no bias."""
-    supported, valid, causal = key_validity(call)
-    if not supported:
-        return False, None, call.causal
-    if valid is None or bool(valid.all()):
-        return True, None, causal
-    return True, valid.unsqueeze(-2).clone(), causal  # (b, h, 1, S): not a view of the big mask
-
-
-def simplify(call: AttentionCall) -> AttentionCall:
+def simplify(call: AttentionCall, budget_bytes: int = 64 * 2**20) -> AttentionCall:
     """The same computation with a float bias that only masks as a boolean mask, and a causal /
-    key-padding mask as ``causal`` plus a ``(b, h, 1, S)`` key mask (module docstring). Calls on
-    other devices, with a genuine bias, or whose mask is neither, come back unchanged (or with
-    the bias as a boolean mask)."""
+    key-padding mask as ``causal`` plus a ``(b, h, 1, S)`` key mask (module docstring). A float
+    mask of neither pattern becomes a boolean ``(B, H, L, S)`` mask only when that fits in
+    ``budget_bytes``; calls on other devices, with a genuine bias, or whose boolean mask is
+    neither pattern come back unchanged. The checks run in blocks of rows: their temporaries
+    stay a few MiB at any length."""
     if call.q.device.type != "cpu" or (call.bias is None and call.mask is None):
         return call
     length, keys = call.q.shape[2], call.k.shape[2]
     if call.bias is not None:
         bias = call.bias
-        check = _check(bias, call.causal, length, keys)
+        check = _check(bias, call.causal, length, keys) + (budget_bytes,)
         hit, value = _cached(bias, check)
         if not hit:
-            converted = bias_mask(bias)
-            value = None
-            if converted is not None:
-                as_mask = dataclasses.replace(call, bias=None, mask=converted)
-                ok, keymask, causal = _key_mask(as_mask) if call.mask is None else (False, None, call.causal)
-                value = (True, keymask, causal) if ok else converted
+            value = None  # a genuine bias
+            if is_mask(bias):
+                t = _4d(bias)
+                b, h = t.shape[:2]
+                valid_rows = _rows_of(t, length)
+                found = (_verdict(lambda r0, r1: valid_rows(r0, r1) > MASK_BIAS, call.causal, length, keys, b, h)
+                         if call.mask is None else None)
+                if found is not None:
+                    value = found
+                elif b * h * t.shape[-2] * keys <= budget_bytes:
+                    value = t > MASK_BIAS  # a mask of another pattern (or with a boolean mask besides)
             _store(bias, check, value)
         if value is None:
-            return call  # a genuine bias
-        if isinstance(value, Tensor):  # a mask, but neither causal nor key padding (or with a
-            mask = value if call.mask is None else call.mask & value  # boolean mask besides: rare)
+            return call
+        if isinstance(value, Tensor):
+            mask = value if call.mask is None else call.mask & value
             return dataclasses.replace(call, bias=None, mask=mask)
         _, keymask, causal = value
         return dataclasses.replace(call, bias=None, mask=keymask, causal=causal)
-    mask = call.mask
-    assert mask is not None
-    if mask.dim() == 4 and mask.shape[-2] == 1 and mask.shape[-1] == keys:
+    mask = _4d(call.mask)  # type: ignore[arg-type]
+    if mask.shape[-2] == 1 and mask.shape[-1] == keys:
         return call  # already a key mask
     check = _check(mask, call.causal, length, keys)
-    hit, value = _cached(mask, check)
+    hit, value = _cached(call.mask, check)  # type: ignore[arg-type]
     if not hit:
-        value = _key_mask(call)
-        _store(mask, check, value)
-    ok, keymask, causal = value  # type: ignore[misc]
-    if not ok:
+        value = _verdict(_rows_of(mask, length), call.causal, length, keys, *mask.shape[:2])
+        _store(call.mask, check, value)  # type: ignore[arg-type]
+    if value is None:
         return call
+    _, keymask, causal = value  # type: ignore[misc]
     return dataclasses.replace(call, mask=keymask, causal=causal)

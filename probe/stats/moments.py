@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +95,8 @@ def key_validity(call: AttentionCall) -> Tuple[bool, Optional[Tensor], bool]:
     if cached is not None and cached[0]() is call.mask and cached[1] == key:
         verdict = cached[2]  # the same mask as the previous call's
     else:
-        verdict = _row_pattern(mask, call.causal, length, keys)
+        verdict = row_pattern(lambda r0, r1: mask[..., r0:r1, :], call.causal, length, keys,
+                              mask.shape[0] * mask.shape[1] * keys)[0]
         _CHECKED["mask"] = (weakref.ref(call.mask), key, verdict)
     if verdict is None:
         return False, None, call.causal
@@ -104,18 +105,37 @@ def key_validity(call: AttentionCall) -> Tuple[bool, Optional[Tensor], bool]:
     return True, row.expand(*mask.shape[:2], keys), verdict
 
 
-def _row_pattern(mask: Tensor, causal: bool, length: int, keys: int) -> Optional[bool]:
-    """``False``: every row of ``mask`` is the same; ``True``: causal (top-left) and the last
-    row's keys; ``None``: neither."""
-    if not causal:
-        if torch.equal(mask, mask[..., :1, :].expand_as(mask)):
-            return False
-        if length != keys:
-            return None
-    tril = torch.ones(length, keys, dtype=torch.bool, device=mask.device).tril()
-    if not causal:
-        return True if torch.equal(mask, mask[..., -1:, :] & tril) else None
-    return True if torch.equal(mask & tril, mask[..., -1:, :] & tril) else None
+# Bytes of one boolean row block while a mask's pattern is checked: the check's temporaries stay
+# a few of these whatever L and S are (a whole-mask comparison took several B·L·S-byte copies).
+_PATTERN_BYTES = 2 * 2**20
+
+
+def row_pattern(rows: Callable[[int, int], Tensor], causal: bool, length: int, keys: int,
+                per_row: int) -> Tuple[Optional[bool], Optional[Tensor]]:
+    """``(verdict, key row)`` of a mask given by ``rows(r0, r1)`` (bool, ``(b, h, r1 − r0, S)``,
+    True = valid): verdict ``False`` when every row is the same (the key row: row 0), ``True``
+    when it is the causal (top-left) pattern of its last row's keys (the key row: the last row),
+    ``None`` when neither. Checked in blocks of rows of at most ``_PATTERN_BYTES`` (``per_row``:
+    the bytes of one row of the block); on the host."""
+    step = max(1, _PATTERN_BYTES // max(1, per_row))
+    first, last = rows(0, 1), rows(length - 1, length)
+    same = not causal
+    cols = torch.arange(keys, device=first.device)
+    tril_ok = causal or length == keys
+    for r0 in range(0, length, step):
+        r1 = min(length, r0 + step)
+        block = rows(r0, r1)
+        if same and not torch.equal(block, first.expand_as(block)):
+            same = False
+        if tril_ok:
+            tril = torch.arange(r0, r1, device=block.device).unsqueeze(-1) >= cols
+            lhs = block & tril if causal else block
+            tril_ok = torch.equal(lhs, (last & tril).expand_as(lhs))
+        if not same and not tril_ok:
+            return None, None
+    if same:
+        return False, first
+    return True, last
 
 
 class CentredPrep:

@@ -54,9 +54,9 @@ def _call(kind: str, l: int = 9, kv_heads: int = 2, seed: int = 0, fill: float =
 def _general(monkeypatch, fn, *args, **kwargs):
     """``fn`` with simplify disabled: the float mask is read as a bias (the general path)."""
     with monkeypatch.context() as m:
-        m.setattr(masks, "simplify", lambda call: call)
-        m.setattr("probe.stats.functional.simplify", lambda call: call)
-        m.setattr("probe.stats.grads.simplify", lambda call: call)
+        m.setattr(masks, "simplify", lambda call, *a: call)
+        m.setattr("probe.stats.functional.simplify", lambda call, *a: call)
+        m.setattr("probe.stats.grads.simplify", lambda call, *a: call)
         return fn(*args, **kwargs)
 
 
@@ -151,8 +151,8 @@ def test_eager_backward_from_the_softmax_gradient(monkeypatch, kind):
 
 def test_the_verdict_is_read_once_per_mask_and_forgotten_with_it(monkeypatch):
     calls = []
-    real = masks.bias_mask
-    monkeypatch.setattr(masks, "bias_mask", lambda bias: calls.append(1) or real(bias))
+    real = masks.is_mask
+    monkeypatch.setattr(masks, "is_mask", lambda bias: calls.append(1) or real(bias))
     call, _ = _call("causal+pad")
     for _ in range(4):  # four layers, one mask
         assert masks.simplify(call).causal
@@ -225,3 +225,29 @@ def test_eager_llama_with_padding_reads_as_its_general_path(monkeypatch, rows):
             for metric in ("entropy", "max_prob", "grad_logits"):
                 err = np.abs(fast.value(site, metric) - slow.value(site, metric))
                 assert np.all(err <= 4 * fast.standard_error(site, metric) + 1e-4 * np.abs(slow.value(site, metric)))
+
+
+@pytest.mark.parametrize("kind", ["float causal+pad", "bool causal+pad", "float window"])
+def test_reading_a_long_mask_stays_within_a_few_mib(kind):
+    """L = S = 2048, batch 2: the model's float mask is 32 MiB, a boolean copy 8 MiB; reading its
+    pattern takes blocks of rows (the whole-mask comparisons took several such copies at once).
+    A float mask of neither pattern becomes a boolean one only within the budget."""
+    from tests.faults.memory import PeakMemory
+
+    l = 2048
+    q = torch.randn(2, 2, l, 4)
+    tril = torch.ones(l, l, dtype=torch.bool).tril()
+    pad = torch.ones(2, 1, 1, l, dtype=torch.bool)
+    pad[1, ..., :100] = False
+    valid = tril & pad if "causal" in kind else _valid("window", 2, l)
+    bias = _float_mask(valid) if kind.startswith("float") else None
+    call = AttentionCall(q=q, k=q, v=q, scale=0.5, bias=bias, mask=None if bias is not None else valid)
+    with PeakMemory() as mem:
+        out = masks.simplify(call, budget_bytes=4 * 2**20)
+    source = bias if bias is not None else valid  # the meter counts its storage once, at the first view
+    assert mem.peak - source.untyped_storage().nbytes() <= 8 * 2**20, mem.peak
+    if "causal" in kind:
+        assert out.causal and out.bias is None and out.mask.shape == (2, 1, 1, l)
+    else:  # 8 MiB as a boolean mask: over the 4 MiB budget, stays a bias (the general path)
+        assert out is call
+        assert masks.simplify(call, budget_bytes=16 * 2**20).mask.shape == (2, 1, l, l)
