@@ -8,6 +8,11 @@
   batch 1, sequence 1024, causal.
 - ``bert-padded-eager``, ``llama-gqa-eager``: the same models with ``attn_implementation="eager"``:
   an explicit softmax over ``q·kᵀ·s + mask``, the mask a float tensor (0 / ``finfo.min``).
+- ``t5``: T5 encoder-decoder, ``attn_implementation="sdpa"`` (T5 computes its attention itself:
+  ``q·kᵀ + position_bias``, a genuine additive float bias, the general path), 4 + 4 layers,
+  d_model 256, 4 heads (d_kv 64), batch 1, sequence 512 (encoder and decoder).
+- ``gemma2-eager``: Gemma 2 decoder, eager (logits soft-capped at 50, the general path), 4 layers,
+  hidden 256, 8 heads / 2 kv heads (head_dim 32), sliding window off, batch 1, sequence 1024, causal.
 
 Each step is forward + backward of a scalar loss (the mean square of the last hidden state).
 """
@@ -77,6 +82,50 @@ def _llama(seq: int, batch: int, attn: str = "sdpa") -> Workload:
     return Workload("llama-gqa" + ("" if attn == "sdpa" else f"-{attn}"), desc, model, step)
 
 
+def _t5(seq: int, batch: int) -> Workload:
+    from transformers import T5Config, T5Model
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=1000, d_model=256, d_kv=64, d_ff=1024, num_layers=4, num_decoder_layers=4, num_heads=4,
+        dropout_rate=0.0, attn_implementation="sdpa",
+    )
+    model = T5Model(config).train()
+    torch.manual_seed(1)
+    ids = torch.randint(0, 1000, (batch, seq))
+    dec = torch.randint(0, 1000, (batch, seq))
+
+    def step(m: torch.nn.Module) -> None:
+        m.zero_grad(set_to_none=True)
+        out = m(input_ids=ids, decoder_input_ids=dec).last_hidden_state
+        out.float().square().mean().backward()
+
+    desc = f"HF T5, SDPA (own attention, relative position bias), 4+4 layers, d_model 256, 4 heads, batch {batch}, seq {seq}"
+    return Workload("t5", desc, model, step)
+
+
+def _gemma2(seq: int, batch: int) -> Workload:
+    from transformers import Gemma2Config, Gemma2Model
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=max(1024, seq), sliding_window=max(1024, seq),
+        attn_logit_softcapping=50.0, final_logit_softcapping=None, attn_implementation="eager",
+    )
+    model = Gemma2Model(config).train()
+    torch.manual_seed(1)
+    ids = torch.randint(0, 1000, (batch, seq))
+
+    def step(m: torch.nn.Module) -> None:
+        m.zero_grad(set_to_none=True)
+        out = m(input_ids=ids).last_hidden_state
+        out.float().square().mean().backward()
+
+    desc = f"HF Gemma 2, eager, softcap 50, 4 layers, hidden 256, 8 heads / 2 kv heads, batch {batch}, seq {seq}, causal"
+    return Workload("gemma2-eager", desc, model, step)
+
+
 _ATTN = {"sdpa": "SDPA", "eager": "eager (float mask, explicit softmax)"}
 
 
@@ -87,6 +136,8 @@ WORKLOADS: Dict[str, tuple] = {
     "bert": (512, 2, lambda seq, batch: _bert(seq, batch, padded=False)),
     "bert-padded-eager": (512, 2, lambda seq, batch: _bert(seq, batch, padded=True, attn="eager")),
     "llama-gqa-eager": (1024, 1, lambda seq, batch: _llama(seq, batch, attn="eager")),
+    "t5": (512, 1, _t5),
+    "gemma2-eager": (1024, 1, _gemma2),
 }
 
 
