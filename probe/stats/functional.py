@@ -13,12 +13,14 @@ Without bias or softcap and with positive float scales (SDPA defaults, BERT, Lla
 *shifted* path runs: ``D = R − rowmax(R)`` is formed once in place, the logit moments come from
 per-row sums of ``D``, and each distinct scale costs one ``exp(σD)`` with two row reductions
 (``σ·rowmax`` is the row max of ``σR`` for ``σ > 0``, so no second max pass). Other calls take
-the general path (:func:`softmax_stats`, :func:`logit_moments`), a few more passes per scale.
+the general path (:mod:`probe.stats.general`): the same exact pass over every row, and per scale
+``Z = σR + A`` (soft-capped) and one exponential on the sampled rows only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -26,6 +28,8 @@ from torch import Tensor
 
 from probe.call import AttentionCall, Scale
 from probe.stats.chunks import (
+    MASK_BIAS,
+    _as_4d,
     _iter,
     accumulation_dtype,
     cache_chunk_rows,
@@ -33,8 +37,9 @@ from probe.stats.chunks import (
     iter_chunks,
     sample_rows,
 )
-from probe.stats.general import combine_moments, general_chunk, logit_moments, softmax_stats
+from probe.stats.general import Scratch, combine_moments, general_reduce, general_rows, logit_moments, softmax_stats
 from probe.stats.masks import simplify
+from probe.stats.sampling import row_design
 from probe.stats.moments import centred_stats, inputs_finite, key_validity, row_moments
 from probe.stats.shifted import causal_upper, grad_logits_shifted, shifted_reduce, shifted_rows
 
@@ -106,8 +111,8 @@ def forward_stats(
             ``saturated`` are then computed on those rows, as Horvitz–Thompson totals (weights
             ``L_h/n_h``; divided by the exact valid-row count ``rows`` they are unbiased means), with
             ``{field}_var@{s}`` fields holding each total's estimated variance; ``logit_var``,
-            ``logit_max``, the row count and ``nonfinite`` stay exact. Calls taking the
-            general path (bias, softcap, per-head or non-positive scale) are always exact.
+            ``logit_max``, the row count and ``nonfinite`` stay exact, on the shifted and on the
+            general path (bias, softcap, per-head or non-positive scale) alike.
         generator: the CPU generator for ``rows=N`` (``None``: torch's global generator).
 
     Returns:
@@ -142,8 +147,8 @@ def forward_stats(
         else:
             moments, soft, nonfinite, var = _shifted_stats(call, floats, saturation, step, acc, positions)
     else:
-        moments, soft, nonfinite = _general_stats(call, values, saturation, step, acc)
-        var = None
+        positions = _sampled_positions(rows, length, generator)
+        moments, soft, nonfinite, var = _general_stats(call, values, saturation, step, acc, positions)
 
     out: Dict[str, Tensor] = {"nonfinite": nonfinite}
     for i, names in enumerate(order):
@@ -228,20 +233,63 @@ def _shifted_stats(call: AttentionCall, floats: List[float], saturation: float, 
                           None if positions is None else length, positions)
 
 
+def _proven_finite(call: AttentionCall, values: Sequence[Scale]) -> Tuple[bool, bool]:
+    """``(proven, bias_masks)``: whether every logit ``Z = σR + A`` (``c·tanh(σR/c) + A``) of the
+    call is certainly finite at every scale, from ``|R| ≤ max|q|·max|k|·d``, ``|σ|`` and the bias's
+    max (valid bias entries are above -100): then no non-finite count and no non-finite softmax
+    row can occur; and whether the bias may mask a key (its min is at or below
+    :data:`~probe.stats.chunks.MASK_BIAS`, or unknown). On CPUs only, where reading the bounds costs
+    no synchronization (``O(L·d)`` and one pass over the bias); elsewhere ``(False, True)`` and the
+    general path counts and masks (no host synchronization)."""
+    q, k, bias = call.q, call.k, call.bias
+    if q.device.type != "cpu" or k.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
+        return False, True
+    raw = float(q.abs().amax()) * float(k.abs().amax()) * q.shape[-1]
+    sigma = 0.0
+    for v in values:
+        sigma = max(sigma, float(v.abs().amax()) if isinstance(v, Tensor) else abs(float(v)))
+    bound = raw * sigma  # |σR|, finite under tanh too
+    top = abs(float(call.softcap)) if call.softcap is not None else bound
+    masks = True
+    if bias is not None:
+        low, high = (float(x) for x in torch.aminmax(bias))
+        masks = not low > MASK_BIAS  # NaN: may mask
+        top += max(-MASK_BIAS, high)
+    return raw <= 2.0**100 and bound <= 2.0**100 and top <= 2.0**100, masks  # False for NaN
+
+
 def _general_stats(call: AttentionCall, values: Sequence[Scale], saturation: float, step: int,
-                   acc: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
-    """The general path (bias, softcap, per-head or non-positive scales), every row."""
-    moments: Optional[Tensor] = None
-    soft: Optional[Tensor] = None
-    nonfinite = torch.zeros(call.q.shape[1], dtype=acc, device=call.q.device)
-    for R, valid, bias in _iter(call, step):
-        part, sums, bad = general_chunk(R, valid, bias, values, call.softcap, saturation, acc)
-        if moments is None or soft is None:
-            moments, soft = part, sums
-        else:
-            mv = combine_moments(moments[:3], part[:3])
-            moments = torch.cat([mv, torch.maximum(moments[3:4], part[3:4]), torch.minimum(moments[4:5], part[4:5])])
-            soft = soft + sums
-        nonfinite = nonfinite + bad
-    assert moments is not None and soft is not None  # length > 0
-    return moments, soft, nonfinite
+                   acc: torch.dtype, positions: Optional[Tensor]
+                   ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """The general path (bias, softcap, per-head or non-positive scales): the exact statistics
+    over every row, the exponential ones on ``positions`` only (all when None), as the shifted
+    path: causal chunks stop at their last query, one product buffer and two scratch buffers
+    serve every chunk (:func:`probe.stats.general.general_rows`)."""
+    batch, heads, length, _ = call.q.shape
+    keys = call.k.shape[2]
+    device = call.q.device
+    starts = range(0, length, step)
+    last = [min(length, r0 + step) - 1 for r0 in starts] if call.causal and device.type != "meta" else None
+    picks = _picks(positions, starts, step, device)
+    need_min = any(isinstance(v, Tensor) or float(v) < 0 for v in values)
+    proven, bias_masks = _proven_finite(call, values)
+    scratch = Scratch(batch * heads * step * keys, device)  # the widest chunk
+    # the bias is read per chunk here, raw (general_rows masks with it): not through _iter
+    plain = dataclasses.replace(call, bias=None)
+    bias = None if call.bias is None else _as_4d(call.bias)
+    exact_parts: List[Tensor] = []
+    soft_parts: List[Tensor] = []
+    for index, (R, valid, _) in enumerate(_iter(plain, step, None, reuse=True, last=last)):
+        r0, cols = index * step, R.shape[-1]
+        b = None
+        if bias is not None:
+            b = bias if bias.shape[-2] == 1 else bias[..., r0 : r0 + R.shape[2], :]
+            b = b[..., :cols] if b.shape[-1] > cols else b
+        exact, soft = general_rows(R, valid, b, values, call.softcap, scratch, picks[index], need_min, proven,
+                                   bias_masks)
+        exact_parts.append(torch.stack(exact))
+        soft_parts.append(torch.stack(soft))
+    exact_all = torch.cat(exact_parts, dim=-1) if len(exact_parts) > 1 else exact_parts[0]
+    soft_all = torch.cat(soft_parts, dim=-1) if len(soft_parts) > 1 else soft_parts[0]
+    design = None if positions is None else row_design(positions, length)
+    return general_reduce(exact_all, soft_all, len(values), saturation, acc, design)

@@ -2,19 +2,33 @@
 
 Used for calls the shifted path (:mod:`probe.stats.shifted`) cannot take: an additive float
 bias, soft-capping, a per-head scale tensor or a non-positive scale.
+
+Per chunk of query rows (:func:`general_rows`), as the shifted path: one pass set over every row
+that needs no exponential (``R`` masked in place, its row max ``r``, ``D = R − r``, ``ΣD``,
+``ΣD²``, the row min for negative or per-head scales, the non-finite count), and the softmax of
+``Z = σR + A`` (``c·tanh(σR/c) + A``) per scale on the sampled rows only (all rows without
+sampling), in reused buffers, with ``exp2``. :func:`general_reduce` combines the rows per head:
+exact moments, maximum, minimum and ``nonfinite``; Horvitz-Thompson totals and their variances
+for the exponential metrics of sampled rows (:mod:`probe.stats.sampling`).
+
+:func:`softmax_stats` and :func:`logit_moments` are the plain per-chunk formulas (kept as the
+reference the tests and the unknown-scale path use).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from probe.call import Scale
+from probe.stats.chunks import MASK_BIAS, all_finite
 
-__all__ = ["combine_moments", "general_chunk", "logit_moments", "softmax_stats"]
+__all__ = ["Scratch", "chunk_masks", "combine_moments", "general_reduce", "general_rows", "logit_moments", "softmax_stats"]
+
+_LOG2E = 1.0 / math.log(2.0)
 
 def logit_moments(R: Tensor, valid: Optional[Tensor]) -> Tensor:
     """Per-head moments of ``R`` over valid entries, shape ``(5, H)``.
@@ -114,26 +128,266 @@ def softmax_stats(
     return sums, lse + m.squeeze(-1)
 
 
-def _nonfinite(R: Tensor, valid: Optional[Tensor], row_lse: Tensor) -> Tensor:
-    """Count non-finite valid logits plus the probabilities of rows whose softmax is non-finite."""
-    bad = ~torch.isfinite(R)
+def _scale2(scale: Scale, heads: int, device: torch.device, factor: float) -> Scale:
+    """``σ·factor`` as a float or a ``(1, H, 1, 1)`` float32 tensor."""
+    if isinstance(scale, Tensor):
+        return (scale.to(device=device, dtype=torch.float32) * factor).reshape(1, -1, 1, 1).expand(1, heads, 1, 1)
+    return float(scale) * factor
+
+
+def _rows_of(t: Optional[Tensor], pick: Optional[Tensor]) -> Optional[Tensor]:
+    """Rows ``pick`` of a ``(..., l, S)`` tensor that may broadcast over rows (a causal mask is ``(l, S)``)."""
+    if t is None or pick is None or t.shape[-2] == 1:
+        return t
+    return t.index_select(-2, pick)
+
+
+class Scratch:
+    """Flat buffers of one call's general path, reused by every chunk (a fresh chunk-sized tensor
+    per op costs page faults on CPUs: measured 7 of 17 ms of a T5-shaped call). ``size`` is the
+    widest chunk's ``B·H·rows·S``."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.size, self.device = size, device
+        self._buffers: Dict[str, Tensor] = {}
+
+    def get(self, name: str, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> Tensor:
+        """A ``shape`` view of the buffer ``name`` (contents undefined)."""
+        n = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = self._buffers[name] = torch.empty(max(n, self.size), dtype=dtype, device=self.device)
+        return buf[:n].view(tuple(shape))
+
+
+def chunk_masks(valid: Optional[Tensor], bias: Optional[Tensor], scratch: Scratch, bias_masks: bool = True
+                ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """``(valid, neg)`` of a chunk: the keys each row may attend to (the call's mask and causal
+    masking ``valid``, and a bias above :data:`~probe.stats.chunks.MASK_BIAS`) as bool, and the
+    same as an additive float mask (0 / ``−inf``), both broadcastable to the chunk, in buffers.
+    ``bias``: the chunk's raw bias rows (any float dtype, masked entries anything); ``bias_masks``
+    False: it is known to mask nothing (its min is above the threshold)."""
+    if bias is not None and bias_masks:
+        ok = torch.gt(bias, MASK_BIAS, out=scratch.get("ok", bias.shape, torch.bool))
+        if valid is None:
+            valid = ok
+        else:
+            shape = torch.broadcast_shapes(ok.shape, valid.shape)
+            valid = torch.logical_and(ok, valid, out=scratch.get("valid", shape, torch.bool))
+    if valid is None:
+        return None, None
+    neg = torch.where(valid, _full(0.0, valid), _full(-math.inf, valid), out=scratch.get("neg", valid.shape))
+    return valid, neg
+
+
+def _full(value: float, like: Tensor) -> Tensor:
+    """A 0-dim float32 tensor on ``like``'s device (``where(..., out=)`` takes no Python numbers)."""
+    return torch.full((), value, device=like.device)
+
+
+def _row_counts(valid: Optional[Tensor], neg: Optional[Tensor], shape: Tuple[int, int, int], keys: int,
+                scratch: Scratch) -> Tensor:
+    """Valid keys per row, ``(B, H, l)`` float32: ``keys`` minus the masked ones, counted from the
+    float mask (a float sum; a bool sum is ten times slower on CPUs)."""
+    if valid is None or neg is None:
+        return torch.full(shape, float(keys), device=scratch.device)
+    masked = torch.clamp(neg, min=-1.0, out=scratch.get("z", neg.shape)).sum(-1)  # −(masked keys)
+    return masked.add_(keys).expand(shape)
+
+
+def _softmax_rows(X: Tensor, valid: Optional[Tensor], neg: Optional[Tensor], bias: Optional[Tensor],
+                  n_row: Tensor, scales: Sequence[Scale], softcap: Optional[float], proven: bool,
+                  scratch: Scratch) -> List[Tensor]:
+    """Per-row softmax sums of ``Z = σX + A`` (``c·tanh(σX/c) + A``) for each scale, ``X`` raw
+    (unmasked) logit rows, ``bias`` their raw bias rows, ``valid`` / ``neg`` their masks
+    (:func:`chunk_masks`), ``n_row`` their valid keys.
+
+    ``proven`` (every ``Z`` finite, bounded by 2¹⁰⁰): in base-2 units, ``Z₂ = Z·log2(e)`` formed
+    directly (the factor folded into σ, the softcap's ``c`` and the bias, the latter once for every
+    scale), so that ``e = exp2(Z₂ − m₂)``, a third of ``exp``'s cost on CPUs, and the mask added
+    (with the bias, one addition). Otherwise natural units (``Z·log2(e)`` could overflow where
+    ``Z`` does not), the mask selected (a NaN or ``+inf`` under it must not leak), and a valid
+    ``−inf`` logit gives a NaN entropy, as the plain formula (:func:`softmax_stats`).
+
+    Returns ``[lse_1, H_1, maxP_1, lse_2, ...]``: per row, the natural log-sum-exp of ``Z``
+    (non-finite where the row's softmax is), the normalized entropy and the max probability,
+    both 0 on rows with fewer than two valid keys.
+    """
+    heads = X.shape[1]
+    z, e = scratch.get("z", X.shape), scratch.get("e", X.shape)
+    # base 2 when proven (|Z| ≤ 2¹⁰⁰: Z·log2(e) cannot overflow); otherwise natural units, so that
+    # a row's log-sum-exp is non-finite exactly where the model's is (the nonfinite count)
+    unit, log, expo = (_LOG2E, torch.log2, torch.exp2) if proven else (1.0, torch.log, torch.exp)
+    add = None  # what is added to σX: the bias (log2 units) and, when proven, the mask
+    if bias is not None:
+        shape = bias.shape if valid is None else torch.broadcast_shapes(bias.shape, valid.shape)
+        buf = scratch.get("bias", shape)
+        if valid is None:
+            add = torch.mul(bias, unit, out=buf)
+        elif proven:  # a finite bias (its max is finite): masked entries become −inf
+            add = torch.add(neg, bias, alpha=unit, out=buf)  # type: ignore[arg-type]
+        else:  # masked entries 0 (selected away below), whatever the bias holds there
+            add = torch.where(valid, bias.float(), _full(0.0, bias), out=buf)
+    elif proven:
+        add = neg
+    select = valid if not proven else None
+    zero = _full(0.0, X)
+    ok = n_row >= 2
+    log_n = torch.log(n_row.clamp(min=2))
+    out: List[Tensor] = []
+    for sigma in scales:
+        if softcap is None:
+            torch.mul(X, _scale2(sigma, heads, X.device, unit), out=z)
+        else:  # c·tanh(σX/c)·log2(e)
+            torch.mul(X, _scale2(sigma, heads, X.device, 1.0 / softcap), out=z).tanh_().mul_(softcap * unit)
+        if add is not None:
+            z.add_(add)
+        if select is not None:
+            torch.where(select, z, _full(-math.inf, z), out=z)
+        m = z.amax(-1, keepdim=True)
+        m = torch.where(m == -math.inf, 0.0, m)  # fully masked rows: exp(-inf) = 0, no NaN
+        z.sub_(m)
+        expo(z, out=e)
+        se = e.sum(-1)
+        if select is not None:  # masked entries: -inf in z, and 0·(−inf) would be NaN
+            torch.where(select, z, zero, out=z)
+        elif neg is not None:  # proven: only masked entries are −inf
+            z.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=0.0)
+        ez = e.mul_(z).sum(-1)
+        lse = log(se)  # in units of log(2) when proven
+        entropy = torch.where(ok, (lse - ez / se).clamp(min=0) / (unit * log_n), 0.0)
+        max_prob = torch.where(ok, 1.0 / se, 0.0)
+        out += [(lse + m.squeeze(-1)) / unit, entropy, max_prob]
+    return out
+
+
+def _top_bad(R: Tensor, valid: Optional[Tensor], bias: Optional[Tensor], scale: Scale,
+             softcap: Optional[float], scratch: Scratch) -> Tensor:
+    """Per row, whether the softmax of ``Z`` at ``scale`` is non-finite: its row max over valid
+    keys is NaN or ``+inf`` (with finite logits ``Σe ∈ [1, n]``, so the log-sum-exp is finite).
+    No exponential; for unsampled rows of calls not proven finite."""
+    z = scratch.get("z", R.shape)
+    torch.mul(R, _scale_view(scale, R.shape[1], R), out=z)
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
+    if bias is not None:
+        z.add_(bias)
     if valid is not None:
-        bad = bad & valid
-        n_row = valid.sum(-1).expand_as(row_lse)
+        torch.where(valid, z, _full(-math.inf, z), out=z)
+    top = z.amax(-1)
+    return torch.isnan(top) | (top == math.inf)
+
+
+def general_rows(R: Tensor, valid: Optional[Tensor], bias: Optional[Tensor], scales: Sequence[Scale],
+                 softcap: Optional[float], scratch: Scratch, pick: Optional[Tensor], need_min: bool,
+                 proven: bool, bias_masks: bool = True) -> Tuple[List[Tensor], List[Tensor]]:
+    """Per-row sums of one chunk for the general path, each ``(B, H, l)`` float32.
+
+    ``valid``: the call's mask and causal masking for the chunk (``None``: every key), ``bias`` its
+    raw bias rows (an entry at or below :data:`~probe.stats.chunks.MASK_BIAS` masks its key;
+    ``bias_masks`` False: none does, proven by the caller).
+
+    Returns ``(exact, soft)``: ``exact = [n, r, ΣD, ΣD², #non-finite, bad_n, (r_min)]`` for every
+    row, ``n`` its valid keys, ``r`` the max of ``R`` over them (0 when none), ``D = R − r``,
+    ``#non-finite`` the NaN/±inf among its valid logits, ``bad_n`` ``n`` where the row's softmax at
+    ``scales[0]`` (``actual``) is non-finite (else 0), ``r_min`` the min of ``R`` (``need_min``;
+    ``+inf`` when no key is valid); ``soft = [n, lse_1, H_1, maxP_1, ...]`` (:func:`_softmax_rows`)
+    on the rows ``pick`` (local indices) or every row when ``None``.
+
+    ``proven``: the call's logits ``Z`` are finite at every scale
+    (:func:`probe.stats.functional._proven_finite`, CPUs): no non-finite count, no non-finite
+    softmax row, masks added. Otherwise a chunk whose sum is finite (:func:`all_finite`) still
+    skips the count and is masked by addition; the non-finite softmax rows of unsampled rows come
+    from a row max of ``Z`` at ``actual`` (no exponential).
+
+    Pitfall: ``R`` is overwritten (after the sampled rows are copied out).
+    """
+    batch, heads, length, keys = R.shape
+    shape = (batch, heads, length)
+    valid, neg = chunk_masks(valid, bias, scratch, bias_masks)
+    n_row = _row_counts(valid, neg, shape, keys, scratch)
+    finite = proven or all_finite(R)  # before masking: every entry of the chunk, valid or not
+    if pick is None:
+        soft = _softmax_rows(R, valid, neg, bias, n_row, scales, softcap, proven, scratch)
+        n_s = n_row
+    else:  # the sampled rows, copied out before R changes
+        X = torch.index_select(R, 2, pick, out=scratch.get("rows", (batch, heads, pick.shape[0], keys)))
+        n_s = n_row.index_select(2, pick)
+        soft = _softmax_rows(X, _rows_of(valid, pick), _rows_of(neg, pick), _rows_of(bias, pick), n_s,
+                             scales, softcap, proven, scratch)
+    if proven:
+        bad_n = torch.zeros(shape, device=R.device)
+    elif pick is None:
+        lse = soft[0]
+        bad_n = torch.where(torch.isnan(lse) | (lse == math.inf), n_row, 0.0)
     else:
-        n_row = torch.full_like(row_lse, R.shape[-1])
-    bad_rows = torch.isnan(row_lse) | (row_lse == math.inf)
-    return bad.sum((0, 2, 3)).float() + torch.where(bad_rows, n_row, 0).sum((0, 2)).float()
+        bad_n = torch.where(_top_bad(R, valid, bias, scales[0], softcap, scratch), n_row, 0.0)
+    # the exact part, in place: mask, row max, D = R − r, ΣD, ΣD² (as probe.stats.shifted.shifted_rows)
+    if neg is not None:
+        if finite:
+            R.add_(neg)
+        else:
+            torch.where(valid, R, _full(-math.inf, R), out=R)  # type: ignore[arg-type]
+    z = scratch.get("z", R.shape)
+    if finite:
+        bad = torch.zeros(shape, device=R.device)
+    else:  # x·0 is 0 for finite x and NaN for NaN and ±inf (masked entries are −inf: subtract them)
+        bad = torch.nan_to_num(torch.mul(R, 0.0, out=z), nan=1.0, out=z).sum(-1)
+        if valid is not None:
+            bad = bad - (keys - n_row)
+    rmax = R.amax(-1, keepdim=True)
+    rmax = torch.where(rmax == -math.inf, 0.0, rmax)
+    D = R.sub_(rmax)
+    D0 = D
+    if valid is not None:
+        D0 = torch.nan_to_num(D, nan=math.nan, posinf=math.inf, neginf=0.0, out=z)
+    r = rmax.squeeze(-1)
+    exact = [n_row, r, D0.sum(-1), torch.linalg.vector_norm(D0, dim=-1).square(), bad, bad_n]
+    if need_min:  # valid D ≤ 0 and masked ones 0 in D0: its row min is the valid min
+        exact.append(torch.where(n_row > 0, r + D0.amin(-1), math.inf))
+    return exact, [n_s] + soft
 
 
-def general_chunk(R: Tensor, valid: Optional[Tensor], bias: Optional[Tensor], scales: Sequence[Scale],
-                   softcap: Optional[float], saturation: float, acc: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
-    """(moments (5, H), softmax sums (len(scales), 4, H), nonfinite (H,)); scales[0] is `actual`."""
-    moments = logit_moments(R, valid).to(acc)
-    soft, nonfinite = [], None
-    for i, value in enumerate(scales):
-        sums, lse = softmax_stats(R, valid, bias, value, softcap, saturation)
-        soft.append(sums.to(acc))
-        if i == 0:
-            nonfinite = _nonfinite(R, valid, lse).to(acc)
-    return moments, torch.stack(soft), nonfinite  # type: ignore[arg-type]
+def general_reduce(exact: Tensor, soft: Tensor, count: int, saturation: float, acc: torch.dtype,
+                   design: Optional[Tuple[Tensor, Tensor, Tensor, Tensor]] = None
+                   ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Per head ``(moments (5, H): count, mean, M2, max, min; softmax sums (count, 4, H); nonfinite (H,);
+    variances (count, 3, H) or None)`` from the rows of :func:`general_rows` (chunks concatenated
+    along rows: ``exact`` ``(6 or 7, B, H, L)``, ``soft`` ``(1 + 3·count, B, H, N)``).
+
+    Moments as :func:`probe.stats.shifted.shifted_reduce` (row means ``r + ΣD/n`` and
+    ``M2 = ΣD² − (ΣD)²/n`` combined by Chan's formula, in ``acc``). With ``design``
+    (:func:`~probe.stats.sampling.row_design` of the sampled positions) the softmax sums are
+    Horvitz-Thompson totals and ``variances`` their estimated variances
+    (:func:`~probe.stats.shifted.total_variance`); the valid-row count stays exact.
+    """
+    from probe.stats.shifted import total_variance
+
+    n, r, a, b, bad, bad_n = exact[:6]
+    dims = (0, 2)
+    n64, r64, a64 = n.to(acc), r.to(acc), a.to(acc)
+    seen = n > 0
+    safe_n = n64.clamp(min=1)
+    mu = r64 + a64 / safe_n
+    m2_row = (b.to(acc) - a64 * a64 / safe_n).clamp(min=0)
+    total = n64.sum(dims)
+    mean = (n64 * mu).sum(dims) / total.clamp(min=1)
+    m2 = m2_row.sum(dims) + (n64 * (mu - mean.view(1, -1, 1)).square()).sum(dims)
+    top = torch.where(seen, r, -math.inf).amax(dims).to(acc)
+    low = exact[6].amin(dims).to(acc) if exact.shape[0] > 6 else torch.full_like(top, math.inf)
+    moments = torch.stack([total, mean, m2, top, low])
+    n_ok = (n >= 2).sum(dims, dtype=acc)
+    nonfinite = bad.sum(dims, dtype=acc) + bad_n.sum(dims, dtype=acc)
+    weight = None if design is None else design[0].to(n.device, acc, non_blocking=True)
+    sums, per_row = [], []
+    for i in range(count):
+        entropy, max_prob = soft[2 + 3 * i], soft[3 + 3 * i]
+        saturated = ((soft[0] >= 2) & (max_prob >= saturation)).to(entropy.dtype)
+        rows = (entropy, max_prob, saturated)
+        if weight is None:
+            sums.append(torch.stack([n_ok] + [v.sum(dims, dtype=acc) for v in rows]))
+        else:
+            sums.append(torch.stack([n_ok] + [(v.to(acc) * weight).sum(dims) for v in rows]))
+            per_row.append(torch.stack(rows))
+    var = None if design is None else total_variance(torch.stack(per_row), design).to(acc)
+    return moments, torch.stack(sums), nonfinite, var

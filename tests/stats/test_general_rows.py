@@ -1,0 +1,219 @@
+"""The general path (bias, softcap, per-head or non-positive scales) with sampled query rows.
+
+References are float64 computations written here: per-row softmax metrics of
+``Z = c·tanh(σ·q·kᵀ/c) + A`` over the valid keys (mask, causal, bias above -100), Horvitz-Thompson
+totals with the design's weights (probe.stats.sampling.row_design) on the same positions, and the
+stratified variance of the batch sums. Exact fields (moments, max, row count, nonfinite) are
+compared with their float64 values over every row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from probe.call import AttentionCall
+from probe.stats import functional, general
+from probe.stats.functional import forward_stats
+from probe.stats.sampling import row_design, sample_rows, stratified_variance
+
+TAU = 0.9
+
+
+def _valid(q, k, causal, mask, bias):
+    b, h, l, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    valid = torch.ones(b, h, l, s, dtype=torch.bool)
+    if causal:
+        valid &= torch.ones(l, s, dtype=torch.bool).tril()
+    if mask is not None:
+        valid &= mask
+    if bias is not None:
+        valid &= bias > -100
+    return valid
+
+
+def _logits64(q, k, sigma):
+    k64 = k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)
+    r = q.double() @ k64.transpose(-1, -2)
+    s = sigma.double().view(1, -1, 1, 1) if isinstance(sigma, torch.Tensor) else sigma
+    return r, r * s
+
+
+def reference(call, sigma):
+    """Per (batch, head, row) float64 entropy / max_prob / saturated (0 on rows with < 2 keys),
+    the valid-row flags, and the exact moments / max / nonfinite-free check."""
+    valid = _valid(call.q, call.k, call.causal, call.mask, call.bias)
+    r, z = _logits64(call.q, call.k, sigma)
+    if call.softcap is not None:
+        z = call.softcap * torch.tanh(z / call.softcap)
+    if call.bias is not None:
+        z = z + torch.where(call.bias > -100, call.bias.double(), 0.0)
+    z = torch.where(valid, z, -math.inf)
+    p = torch.softmax(z, -1).nan_to_num(0.0)
+    n = valid.sum(-1)
+    ok = n >= 2
+    ent = -(torch.where(p > 0, p * torch.log(p), 0.0)).sum(-1) / torch.log(n.clamp(min=2).double())
+    pmax = p.amax(-1)
+    rows = {"entropy": ent, "max_prob": pmax, "saturated": (pmax >= TAU).double()}
+    rows = {m: torch.where(ok, v, 0.0) for m, v in rows.items()}
+    _, zs = _logits64(call.q, call.k, sigma)  # σR, before the cap
+    heads = []
+    for h in range(call.q.shape[1]):
+        vals = zs[:, h][valid[:, h]]
+        heads.append((vals.numel(), vals.mean().item(), vals.var(unbiased=False).item() * vals.numel(), vals.max().item()))
+    return ok, rows, np.array(heads)
+
+
+def _case(causal=True, padded=True, gqa=True, nan=None, l=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, h, d = 2, 4, 8
+    hk = 2 if gqa else h
+    q = torch.randn(b, h, l, d, generator=g) * 1.5
+    k = torch.randn(b, hk, l, d, generator=g)
+    bias = torch.randn(1, h, l, l, generator=g) * 2
+    bias[0, 1, 3, :] = -math.inf  # a fully masked row in head 1 (by the bias)
+    bias[0, 2, :, 5] = torch.finfo(torch.float32).min  # a key masked by the bias (HF style)
+    mask = None
+    if padded:
+        mask = torch.ones(b, 1, 1, l, dtype=torch.bool)
+        mask[1, ..., l - 5 :] = False
+    if nan is not None:
+        q[0, 1, nan, 0] = math.nan
+    sigma = torch.tensor([0.3, -0.4, 0.25, 0.5])
+    return AttentionCall(q=q, k=k, v=None, scale=sigma, causal=causal, mask=mask, bias=bias, softcap=4.0)
+
+
+def _scales(call):
+    return {"actual": call.scale, "unscaled": 1.0, "negative": -0.5}
+
+
+@pytest.mark.parametrize("proven", [True, False])
+@pytest.mark.parametrize("causal,padded,gqa", [(True, True, True), (False, False, False), (False, True, True)])
+def test_sampled_estimates_equal_float64_weighted_sums_on_the_same_rows(monkeypatch, proven, causal, padded, gqa):
+    call = _case(causal, padded, gqa)
+    if not proven:  # the path every non-CPU device takes: counts and selected masks
+        monkeypatch.setattr(functional, "_proven_finite", lambda c, v: (False, True))
+        monkeypatch.setattr(general, "all_finite", lambda x: False)
+    length = call.q.shape[2]
+    positions = sample_rows(length, 9, torch.Generator().manual_seed(5))
+    budget = 6 * 4 * 2 * 4 * length * 5  # chunks of 5 rows
+    fields = forward_stats(call, _scales(call), saturation=TAU, budget_bytes=budget, rows=positions)
+    full = forward_stats(call, _scales(call), saturation=TAU, budget_bytes=budget)
+    weight, stratum, sizes, drawn = row_design(positions, length)
+    for name, sigma in _scales(call).items():
+        ok, rows, heads = reference(call, sigma)
+        n_rows = ok.sum((0, 2)).double()
+        np.testing.assert_array_equal(fields["rows"].numpy(), n_rows.numpy())
+        for metric, y in rows.items():
+            picked = y[:, :, positions]  # (B, H, N)
+            total = (picked * weight).sum((0, 2))
+            got = fields[f"{metric}@{name}"]
+            np.testing.assert_allclose(got.numpy(), total.numpy(), rtol=2e-5, atol=1e-5, err_msg=f"{metric}@{name}")
+            var = stratified_variance(picked.sum(0), stratum, sizes, drawn)
+            np.testing.assert_allclose(fields[f"{metric}_var@{name}"].numpy(), var.numpy(), rtol=1e-4, atol=1e-6,
+                                       err_msg=f"{metric}_var@{name}")
+            # every row: the exact sums
+            np.testing.assert_allclose(full[f"{metric}@{name}"].numpy(), y.sum((0, 2)).numpy(), rtol=2e-5, atol=1e-5)
+            assert f"{metric}_var@{name}" not in full
+        # exact fields, sampled or not: count, mean, M2 and max of σR over valid entries
+        for f in (fields, full):
+            n, mean, m2 = f[f"logit@{name}"].numpy()
+            np.testing.assert_array_equal(n, heads[:, 0])
+            np.testing.assert_allclose(mean, heads[:, 1], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(m2, heads[:, 2], rtol=1e-5)
+            np.testing.assert_allclose(f[f"logit_max@{name}"].numpy(), heads[:, 3], rtol=1e-5)
+        assert float(fields["nonfinite"].sum()) == 0 and float(full["nonfinite"].sum()) == 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_average_over_every_subset_is_the_exact_value(causal):
+    """Unbiased: over all C(L, N) equally likely row sets (the design for N = 2 of 6: one
+    stratum, uniform), the estimates average to the exact totals."""
+    call = _case(causal, True, True, l=6)
+    scales = _scales(call)
+    full = forward_stats(call, scales, saturation=TAU)
+    subsets = list(itertools.combinations(range(6), 2))
+    acc = {key: 0.0 for key in full if key.split("@")[0] in ("entropy", "max_prob", "saturated")}
+    for subset in subsets:
+        fields = forward_stats(call, scales, saturation=TAU, rows=torch.tensor(subset))
+        for key in acc:
+            acc[key] = acc[key] + fields[key].double()
+        for key in full:
+            if key.split("@")[0] not in ("entropy", "max_prob", "saturated"):
+                torch.testing.assert_close(fields[key], full[key], rtol=1e-6, atol=1e-6, msg=key)
+    for key, total in acc.items():
+        np.testing.assert_allclose((total / len(subsets)).numpy(), full[key].double().numpy(), rtol=1e-5, atol=1e-6,
+                                   err_msg=key)
+
+
+def test_every_position_sampled_is_the_exact_path():
+    call = _case()
+    length = call.q.shape[2]
+    exact = forward_stats(call, _scales(call))
+    for rows in (length, torch.arange(length), length + 3):
+        same = forward_stats(call, _scales(call), rows=rows)
+        assert same.keys() == exact.keys()
+        for key in exact:
+            torch.testing.assert_close(same[key], exact[key], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("row", [2, 11])
+def test_nonfinite_counts_stay_exact_on_unsampled_rows(row):
+    """A NaN logit row is counted (its logits and its probabilities at `actual`) whether or not
+    the row is sampled, on both the proven-finite and the counting path."""
+    call = _case(causal=False, padded=False, nan=row)
+    positions = torch.tensor([0, 1, 2, 5, 8, 13, 17, 20])
+    fields = forward_stats(call, _scales(call), rows=positions)
+    full = forward_stats(call, _scales(call))
+    valid = _valid(call.q, call.k, False, None, call.bias)
+    expected = np.zeros(4)
+    expected[1] = 2 * valid[0, 1, row].sum().item()  # the NaN row's logits and probabilities
+    np.testing.assert_array_equal(fields["nonfinite"].numpy(), expected)
+    np.testing.assert_array_equal(full["nonfinite"].numpy(), expected)
+    assert torch.isnan(fields["logit@actual"][1:, 1]).all()  # moments of a NaN head are NaN
+    sampled_nan = row in positions.tolist()
+    assert bool(torch.isnan(fields["entropy@actual"][1])) == sampled_nan
+    assert torch.isfinite(fields["entropy@actual"][[0, 2, 3]]).all()
+
+
+def test_a_huge_counterfactual_scale_is_counted_not_proven_finite():
+    """σ·R beyond float32 at `actual`: every valid row's softmax is non-finite, as over all rows."""
+    call = dataclasses.replace(_case(causal=False, padded=False), softcap=None)
+    scales = {"actual": 1e38, "unscaled": 1.0}
+    positions = torch.tensor([0, 3, 7, 12, 19])
+    fields = forward_stats(call, scales, rows=positions)
+    full = forward_stats(call, scales)
+    torch.testing.assert_close(fields["nonfinite"], full["nonfinite"], rtol=0, atol=0)
+    assert float(full["nonfinite"].sum()) > 0
+
+
+def test_bias_without_masked_entries_takes_no_mask():
+    """A bias whose min is above -100 masks nothing (proven on the host): same values as with
+    the masks built."""
+    call = _case(causal=False, padded=False)
+    bias = call.bias.clamp(min=-50)
+    call = dataclasses.replace(call, bias=bias)
+    positions = torch.tensor([0, 3, 7, 12, 19])
+    a = forward_stats(call, _scales(call), rows=positions)
+    orig = functional._proven_finite
+    functional._proven_finite = lambda c, v: (orig(c, v)[0], True)
+    try:
+        b = forward_stats(call, _scales(call), rows=positions)
+    finally:
+        functional._proven_finite = orig
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 8, 8), (2, 0, 8, 8), (2, 4, 0, 8)])
+def test_empty_calls(shape):
+    b, h, l, d = shape
+    q = torch.randn(b, h, l, d)
+    k = torch.randn(b, h, 8, d)
+    call = AttentionCall(q=q, k=k, v=None, scale=-0.5, bias=torch.zeros(1, 1, l, 8))
+    assert forward_stats(call, {"actual": -0.5}, rows=4) == {}
