@@ -247,7 +247,10 @@ def _proven_finite(call: AttentionCall, values: Sequence[Scale]) -> Tuple[bool, 
     raw = float(q.abs().amax()) * float(k.abs().amax()) * q.shape[-1]
     sigma = 0.0
     for v in values:
-        sigma = max(sigma, float(v.abs().amax()) if isinstance(v, Tensor) else abs(float(v)))
+        s = float(v.abs().amax()) if isinstance(v, Tensor) else abs(float(v))
+        if not s <= 2.0**100:  # NaN or huge (max() would drop a NaN)
+            return False, True
+        sigma = max(sigma, s)
     bound = raw * sigma  # |σR|, finite under tanh too
     top = abs(float(call.softcap)) if call.softcap is not None else bound
     masks = True

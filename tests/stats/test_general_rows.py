@@ -192,6 +192,14 @@ def test_a_huge_counterfactual_scale_is_counted_not_proven_finite():
     assert float(full["nonfinite"].sum()) > 0
 
 
+@pytest.mark.parametrize("sigma", [math.nan, torch.tensor([0.1, math.nan, 0.2, 0.3])])
+def test_a_nan_scale_is_counted(sigma):
+    call = dataclasses.replace(_case(causal=False, padded=False), scale=sigma)
+    for rows in (None, torch.tensor([0, 3, 7, 12, 19])):
+        fields = forward_stats(call, {"actual": sigma, "unscaled": 1.0}, rows=rows)
+        assert float(fields["nonfinite"].sum()) > 0
+
+
 def test_bias_without_masked_entries_takes_no_mask():
     """A bias whose min is above -100 masks nothing (proven on the host): same values as with
     the masks built."""
