@@ -17,12 +17,13 @@ Two kinds of gradient are measured (docs/gradients.md):
 
 Everything here is a function of tensors: no state, no host synchronization, so it runs on
 ``meta`` tensors. Logits are rebuilt in chunks of query rows
-(:func:`probe.stats.functional.iter_chunks`), so the extra memory is bounded by a byte budget
+(:func:`probe.stats.chunks._iter`), so the extra memory is bounded by a byte budget
 whatever the sequence length.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -30,8 +31,14 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall, Scale
+from probe.stats.chunks import _as_4d, _iter, cache_chunk_rows
 from probe.stats.masks import simplify
-from probe.stats.functional import accumulation_dtype, chunk_rows, grad_logits_shifted, iter_chunks, shiftable
+from probe.stats.functional import _proven_finite, accumulation_dtype, grad_logits_shifted, shiftable
+from probe.stats.general import Scratch, chunk_masks
+from probe.stats.sampling import row_design
+from probe.stats.shifted import total_variance
+
+_LOG2E = 1.0 / math.log(2.0)
 
 __all__ = ["BACKWARD_METRICS", "grad_logits_chunk", "grad_logits_stats", "grad_scale", "head_sq"]
 
@@ -124,10 +131,6 @@ def _rows_times_kv(x: Tensor, kv_t: Tensor, kv_heads: int, out: Optional[Tensor]
     return res.view(batch, heads, rows, cols)
 
 
-def _first_cols(t: Optional[Tensor], cols: int) -> Optional[Tensor]:
-    return t if t is None or t.shape[-1] == 1 else t[..., :cols]
-
-
 def _workspace(buffer: Optional[Tensor], shape: Tuple[int, ...], like: Tensor) -> Tensor:
     """A ``shape`` view of the front of ``buffer`` (reused across chunks and scales: a fresh large
     tensor per op costs page faults on CPUs), or a new tensor when there is none."""
@@ -210,11 +213,11 @@ def grad_logits_stats(
         grad_probs: ``∂L/∂P`` in any layout with ``B·H·L·S`` elements (an eager softmax output
             may be ``(B·H, L, S)``).
         rows: sorted CPU positions of sampled query rows (the ``rows=`` budget, the positions
-            the forward statistics used), or ``None`` for every row. Sampled, the common case
-            (:func:`~probe.stats.shifted.grad_logits_shifted`) forms only those rows and reports
-            Horvitz-Thompson estimates of the sums, with their variances in
-            ``grad_logits_var@{scale}``, ``dP`` from ``grad_output`` or ``grad_probs`` alike;
-            other calls (bias, softcap, own logits) stay exact.
+            the forward statistics used), or ``None`` for every row. Sampled, only those rows'
+            logits and ``dP`` are formed, and the sums are Horvitz-Thompson estimates with
+            their variances in ``grad_logits_var@{scale}``: on the shifted path
+            (:func:`~probe.stats.shifted.grad_logits_shifted`) and on the general one alike
+            (bias, softcap, per-head or non-positive scales, ``grad_probs``, own logits).
 
     Returns:
         ``{"grad_logits_sq@{name}": (H,) tensor}`` in the accumulation dtype; empty when the call
@@ -233,21 +236,12 @@ def grad_logits_stats(
     if grad_probs is not None:
         dprobs = grad_probs.reshape(batch, heads, length, keys)
         gs = grad_scale(dprobs)  # dP scaled to at most 2: no float32 overflow in the squares
-
-        def dp_rows(r0: int, r1: int, cols: int, buffer: Optional[Tensor]) -> Tensor:
-            return dprobs[:, :, r0:r1, :cols].float() * gs
-
     elif grad_output is not None and call.v is not None:
         # (B, Hk, dv, S) over a contiguous float32 v: one copy at most (a half-precision
         # transposed v was copied twice, to float32 and then to contiguous)
         vt = call.v.to(torch.float32, memory_format=torch.contiguous_format).transpose(-1, -2)
         dout = grad_output.reshape(batch, heads, length, grad_output.shape[-1])
         gs = grad_scale(dout)  # as above, applied to each chunk of dout rows
-
-        def dp_rows(r0: int, r1: int, cols: int, buffer: Optional[Tensor]) -> Tensor:
-            out = _workspace(buffer, (batch, heads, r1 - r0, cols), vt)
-            return _rows_times_kv(dout[:, :, r0:r1].float() * gs, vt[..., :cols], kv_heads, out)
-
     else:
         return {}
 
@@ -279,45 +273,145 @@ def grad_logits_stats(
                            for names, var in zip(groups.values(), variances) for name in names})
         return fields
 
-    # iter_chunks sizes its chunks for the forward's live buffers; ask it for the row count that
-    # keeps the backward's larger set of buffers within the budget.
-    rows = max(1, budget_bytes // max(1, batch * heads * keys * 4 * _BACKWARD_BUFFERS))
-    size = batch * heads * min(rows, length) * keys
-    work = (torch.empty(size, dtype=torch.float32, device=q.device),
-            torch.empty(size, dtype=torch.float32, device=q.device))
-    dp_buffer = torch.empty(size, dtype=torch.float32, device=q.device) if grad_probs is None else None
-    sums: Dict[str, Tensor] = {}
+    return _general_grads(call, groups, own_logits, scales, budget_bytes, acc, gs, rows,
+                          dprobs if grad_probs is not None else None,
+                          None if grad_probs is not None else (dout, vt))
+
+
+def _grad_rows(X: Tensor, valid: Optional[Tensor], neg: Optional[Tensor], bias: Optional[Tensor], dP: Tensor,
+               scale: Scale, softcap: Optional[float], proven: bool, scratch: Scratch) -> Tensor:
+    """Per row ``Σ_j (∂L/∂Z_j)²`` of a chunk, ``(B, H, l)`` float32 (:func:`grad_logits_chunk`'s
+    quantity before the sum over rows), in scratch buffers: ``X`` raw logit rows (not written),
+    ``valid`` / ``neg`` their masks and ``bias`` their raw bias rows
+    (:func:`probe.stats.general.chunk_masks`), ``dP`` their ``∂L/∂P``.
+
+    As the shifted path: ``e = exp(Z − m)``, ``c = Σ e·dP / Σe`` and
+    ``Σ_j (P_j (dP_j − c))² = ‖e ⊙ (dP − c)‖² / (Σe)²``, with ``u = e ⊙ dP`` turned into
+    ``e ⊙ (dP − c)`` in place; base 2 when ``proven`` (every ``Z`` finite, :func:`_proven_finite`),
+    the mask then added, else natural units and the mask selected. A fully masked row has
+    ``Σe = 0`` and contributes 0; a NaN row stays NaN."""
+    heads = X.shape[1]
+    z, e = scratch.get("z", X.shape), scratch.get("e", X.shape)
+    unit, expo = (_LOG2E, torch.exp2) if proven else (1.0, torch.exp)
+    if softcap is None:
+        torch.mul(X, _scale_times(scale, heads, X, unit), out=z)
+    else:
+        torch.mul(X, _scale_times(scale, heads, X, 1.0 / softcap), out=z).tanh_().mul_(softcap * unit)
+    if bias is not None:
+        if proven:
+            z.add_(bias, alpha=unit)
+        else:  # a NaN or -inf bias under the mask: selected away below
+            z.add_(torch.where(valid, bias.float(), 0.0) if valid is not None else bias, alpha=unit)
+    if valid is not None:
+        if proven:
+            z.add_(neg)  # type: ignore[arg-type]
+        else:
+            torch.where(valid, z, torch.full((), -math.inf, device=z.device), out=z)
+    m = z.amax(-1, keepdim=True)
+    z.sub_(torch.where(m == -math.inf, 0.0, m))
+    expo(z, out=e)
+    se = e.sum(-1, keepdim=True)
+    u = torch.mul(e, dP, out=z)
+    c = u.sum(-1, keepdim=True) / se
+    se = se.squeeze(-1)
+    g2 = torch.linalg.vector_norm(u.addcmul_(e, c, value=-1), dim=-1).square() / se.square()
+    return torch.where(se == 0, 0.0, g2)
+
+
+def _scale_times(scale: Scale, heads: int, like: Tensor, factor: float) -> Scale:
+    if isinstance(scale, Tensor):
+        return (scale.to(device=like.device, dtype=torch.float32) * factor).reshape(1, -1, 1, 1).expand(1, heads, 1, 1)
+    return float(scale) * factor
+
+
+def _general_grads(call: AttentionCall, groups: Dict[object, List[str]], own_logits: List[str],
+                   scales: Mapping[str, Optional[Scale]], budget_bytes: int, acc: torch.dtype, gs: Tensor,
+                   rows: Optional[Tensor], dprobs: Optional[Tensor], dout_vt: Optional[Tuple[Tensor, Tensor]]
+                   ) -> Dict[str, Tensor]:
+    """The general loop of :func:`grad_logits_stats` (bias, softcap, per-head or non-positive
+    scales, ``grad_probs``, the call's own logits): only the rows ``rows`` (sorted CPU positions;
+    ``None``: every row) form their logits and ``dP``, in cache-sized chunks that stop at their
+    last query under causal masking, with buffers reused across chunks; sampled, the sums are
+    Horvitz-Thompson estimates with their variances (the forward's design,
+    :mod:`probe.stats.sampling`). ``dP`` comes from ``dprobs`` (``∂L/∂P``, ``(B, H, L, S)``) or
+    from ``dout · vᵀ``; both are multiplied by ``gs`` (:func:`grad_scale`)."""
+    q = call.q
+    batch, heads, length, _ = q.shape
+    keys = call.k.shape[2]
+    device = q.device
+    positions = None if rows is None or rows.shape[0] >= length else rows.cpu()
+    total = length if positions is None else positions.shape[0]
+    if batch * heads * total * keys == 0:
+        return {}
+    step = min(max(1, budget_bytes // max(1, batch * heads * keys * 4 * _BACKWARD_BUFFERS)),
+               cache_chunk_rows(batch, heads, keys), total)
+    starts = range(0, total, step)
+    picked = None if positions is None else positions.to(device, non_blocking=True)
+    scratch = Scratch(batch * heads * step * keys, device)
+
+    def dp_into(r0: int, n: int, cols: int) -> Tensor:
+        """``dP`` of the chunk's rows (local ``r0 .. r0 + n`` of the rows formed), keys ``:cols``."""
+        out = scratch.get("dp", (batch, heads, n, cols))
+        pos = None if picked is None else picked[r0 : r0 + n]
+        if dprobs is not None:
+            src = dprobs[:, :, r0 : r0 + n] if pos is None else dprobs.index_select(2, pos)
+            return out.copy_(src[..., :cols]).mul_(gs)
+        assert dout_vt is not None
+        dout, vt = dout_vt
+        dc = (dout[:, :, r0 : r0 + n] if pos is None else dout.index_select(2, pos)).float() * gs
+        return _rows_times_kv(dc, vt[..., :cols], call.kv_heads, out)
+
+    def finish(per_row: List[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+        y = torch.cat(per_row, dim=-1) if len(per_row) > 1 else per_row[0]
+        if positions is None:
+            return y.sum((0, 2), dtype=acc), None
+        design = row_design(positions, length)
+        weight = design[0].to(device, acc, non_blocking=True)
+        return (y.to(acc) * weight).sum((0, 2)), total_variance(y.unsqueeze(0), design).to(acc)[0]
+
+    results: Dict[str, Tuple[Tensor, Optional[Tensor]]] = {}
     if groups:
-        forward_row_bytes = max(1, 2**40 // chunk_rows(batch, heads, keys, 2**40))
+        values = [scales[names[0]] for names in groups.values()]
+        proven, bias_masks = _proven_finite(call, values)  # type: ignore[arg-type]
+        last = None
+        if call.causal and device.type != "meta":  # the last query of each chunk, on the host
+            ends = [min(total, r0 + step) - 1 for r0 in starts]
+            last = ends if positions is None else [int(positions[i]) for i in ends]
+        plain = dataclasses.replace(call, bias=None)  # the raw bias is masked with here
+        bias = None if call.bias is None else _as_4d(call.bias)
+        per_row: List[List[Tensor]] = [[] for _ in values]
         r0 = 0
-        for R, valid, bias in iter_chunks(call, rows * forward_row_bytes):
-            r1 = r0 + R.shape[2]
-            # Under causal masking keys after the chunk's last row are masked for all its rows:
-            # P = 0 there, so they carry no gradient and are skipped (half the work).
-            cols = min(keys, r1) if call.causal else keys
-            if cols < keys:
-                R, valid, bias = R[..., :cols], _first_cols(valid, cols), _first_cols(bias, cols)
-            dP = dp_rows(r0, r1, cols, dp_buffer)
-            for names in groups.values():
-                part = grad_logits_chunk(R, valid, bias, dP, scales[names[0]], call.softcap, work).to(acc)
-                sums[names[0]] = part if names[0] not in sums else sums[names[0]] + part
-            r0 = r1
+        for R, valid, _ in _iter(plain, step, picked, reuse=True, last=last):
+            n, cols = R.shape[2], R.shape[3]
+            b = None
+            if bias is not None:
+                b = bias if bias.shape[-2] == 1 else (
+                    bias[..., r0 : r0 + n, :] if picked is None else bias.index_select(-2, picked[r0 : r0 + n]))
+                b = b[..., :cols] if b.shape[-1] > cols else b
+            valid, neg = chunk_masks(valid, b, scratch, bias_masks)
+            dP = dp_into(r0, n, cols)
+            for i, sigma in enumerate(values):
+                per_row[i].append(_grad_rows(R, valid, neg, b, dP, sigma, call.softcap, proven, scratch))  # type: ignore[arg-type]
+            r0 += n
+        for names, part in zip(groups.values(), per_row):
+            results[names[0]] = finish(part)
     if own_logits and call.logits is not None:
         logits = call.logits.reshape(batch, heads, length, keys)
-        part_sum: Optional[Tensor] = None
-        for r0 in range(0, length, rows):
-            z = logits[:, :, r0 : r0 + rows].float()
+        part_rows: List[Tensor] = []
+        for r0 in starts:
+            n = min(total, r0 + step) - r0
             # masked entries are -inf or finfo.min in the model's own logits: exp gives 0
-            dP = dp_rows(r0, min(length, r0 + rows), keys, dp_buffer)
-            part = grad_logits_chunk(z, None, None, dP, 1.0, None, work).to(acc)
-            part_sum = part if part_sum is None else part_sum + part
-        if part_sum is not None:
-            groups[None] = own_logits
-            sums[own_logits[0]] = part_sum
+            z = (logits[:, :, r0 : r0 + n] if picked is None else logits.index_select(2, picked[r0 : r0 + n])).float()
+            part_rows.append(_grad_rows(z, None, None, None, dp_into(r0, n, keys), 1.0, None, False, scratch))
+        groups[None] = own_logits
+        results[own_logits[0]] = finish(part_rows)
     out: Dict[str, Tensor] = {}
     unscale = gs.to(acc).square()
     for names in groups.values():
-        if names[0] in sums:
+        if names[0] in results:
+            part, var = results[names[0]]
             for name in names:
-                out[f"grad_logits_sq@{name}"] = sums[names[0]] / unscale
+                out[f"grad_logits_sq@{name}"] = part / unscale
+                if var is not None:
+                    out[f"grad_logits_var@{name}"] = var / unscale.square()
     return out
