@@ -162,6 +162,9 @@ class PlainMode(TorchFunctionMode):
 #: machine disturb far less.
 CLOCK: List[Callable[[], float]] = [time.perf_counter]
 
+#: ``--only``: the probe arms to run (with ``bare``; empty: all of them).
+ONLY: List[str] = []
+
 
 def _drain(p: Any) -> None:
     """Wait until the probe's background writer has written everything submitted so far."""
@@ -204,6 +207,8 @@ class Arms:
         specs = {"unsampled": (10**9, False, 1), "every=1": (1, False, 1),
                  "every=1+tb": (1, True, 1), "every=10+tb": (10, True, 10)}
         for name, (every, tb, steps) in specs.items():
+            if ONLY and name not in ONLY:
+                continue
             model = copy.deepcopy(base)
             logdir = os.path.join(tmp, (prefix + name).replace(":", "_")) if tb else None
             p = impl.watch(model, logdir=logdir, every=every)
@@ -308,7 +313,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (1 is steadier on a machine shared with other jobs)")
+    parser.add_argument("--only", nargs="+", default=[],
+                        help="run only these probe arms (and bare), e.g. --only every=1 (each version's)")
     args = parser.parse_args(argv)
+    ONLY[:] = args.only
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu":
