@@ -256,7 +256,9 @@ def _proven_finite(call: AttentionCall, values: Sequence[Scale]) -> Tuple[bool, 
     masks = True
     if bias is not None:
         low, high = (float(x) for x in torch.aminmax(bias))
-        masks = not low > MASK_BIAS  # NaN: may mask
+        if not high <= 2.0**100:  # NaN (max() would drop it) or huge
+            return False, True
+        masks = not low > MASK_BIAS
         top += max(-MASK_BIAS, high)
     return raw <= 2.0**100 and bound <= 2.0**100 and top <= 2.0**100, masks  # False for NaN
 

@@ -163,12 +163,12 @@ class Scratch:
 def chunk_masks(valid: Optional[Tensor], bias: Optional[Tensor], scratch: Scratch, bias_masks: bool = True
                 ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """``(valid, neg)`` of a chunk: the keys each row may attend to (the call's mask and causal
-    masking ``valid``, and a bias above :data:`~probe.stats.chunks.MASK_BIAS`) as bool, and the
+    masking ``valid``, and a bias not at or below :data:`~probe.stats.chunks.MASK_BIAS`) as bool, and the
     same as an additive float mask (0 / ``−inf``), both broadcastable to the chunk, in buffers.
     ``bias``: the chunk's raw bias rows (any float dtype, masked entries anything); ``bias_masks``
     False: it is known to mask nothing (its min is above the threshold)."""
-    if bias is not None and bias_masks:
-        ok = torch.gt(bias, MASK_BIAS, out=scratch.get("ok", bias.shape, torch.bool))
+    if bias is not None and bias_masks:  # a NaN bias masks nothing: it makes its logit NaN, as in the model
+        ok = torch.le(bias, MASK_BIAS, out=scratch.get("ok", bias.shape, torch.bool)).logical_not_()
         if valid is None:
             valid = ok
         else:
@@ -358,10 +358,11 @@ def general_reduce(exact: Tensor, soft: Tensor, count: int, saturation: float, a
     Moments as :func:`probe.stats.shifted.shifted_reduce` (row means ``r + ΣD/n`` and
     ``M2 = ΣD² − (ΣD)²/n`` combined by Chan's formula, in ``acc``). With ``design``
     (:func:`~probe.stats.sampling.row_design` of the sampled positions) the softmax sums are
-    Horvitz-Thompson totals and ``variances`` their estimated variances
-    (:func:`~probe.stats.shifted.total_variance`); the valid-row count stays exact.
+    estimated as on the shifted path: the ratio estimator over the sampled valid rows times the
+    exact valid-row count (:func:`probe.stats.shifted._ratio_totals`, Horvitz-Thompson weights),
+    ``variances`` their linearized variances (:func:`~probe.stats.shifted.total_variance`).
     """
-    from probe.stats.shifted import total_variance
+    from probe.stats.shifted import _ratio_totals, total_variance
 
     n, r, a, b, bad, bad_n = exact[:6]
     dims = (0, 2)
@@ -379,15 +380,19 @@ def general_reduce(exact: Tensor, soft: Tensor, count: int, saturation: float, a
     n_ok = (n >= 2).sum(dims, dtype=acc)
     nonfinite = bad.sum(dims, dtype=acc) + bad_n.sum(dims, dtype=acc)
     weight = None if design is None else design[0].to(n.device, acc, non_blocking=True)
-    sums, per_row = [], []
+    ok = soft[0] >= 2
+    sums, residuals = [], []
     for i in range(count):
         entropy, max_prob = soft[2 + 3 * i], soft[3 + 3 * i]
-        saturated = ((soft[0] >= 2) & (max_prob >= saturation)).to(entropy.dtype)
+        saturated = (ok & (max_prob >= saturation)).to(entropy.dtype)
         rows = (entropy, max_prob, saturated)
         if weight is None:
             sums.append(torch.stack([n_ok] + [v.sum(dims, dtype=acc) for v in rows]))
-        else:
-            sums.append(torch.stack([n_ok] + [(v.to(acc) * weight).sum(dims) for v in rows]))
-            per_row.append(torch.stack(rows))
-    var = None if design is None else total_variance(torch.stack(per_row), design).to(acc)
+        else:  # the ratio estimator of the shifted path (valid rows may differ between positions)
+            totals, parts = _ratio_totals(rows, ok, weight, n_ok, dims, acc)
+            sums.append(torch.stack([n_ok] + totals))
+            residuals.append(parts)
+    var = None
+    if design is not None:  # every scale's three variances in one pass, as shifted_reduce
+        var = total_variance(torch.stack([r for r, _ in residuals]), design).to(acc) * residuals[0][1]
     return moments, torch.stack(sums), nonfinite, var

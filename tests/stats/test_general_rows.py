@@ -1,9 +1,10 @@
 """The general path (bias, softcap, per-head or non-positive scales) with sampled query rows.
 
 References are float64 computations written here: per-row softmax metrics of
-``Z = c·tanh(σ·q·kᵀ/c) + A`` over the valid keys (mask, causal, bias above -100), Horvitz-Thompson
-totals with the design's weights (probe.stats.sampling.row_design) on the same positions, and the
-stratified variance of the batch sums. Exact fields (moments, max, row count, nonfinite) are
+``Z = c·tanh(σ·q·kᵀ/c) + A`` over the valid keys (mask, causal, a bias not at or below -100),
+the ratio estimator with the design's weights (probe.stats.sampling.row_design) on the same
+positions (the mean over the sampled valid rows times the exact valid-row count, as the shifted
+path), and the stratified variance of the batch sums of its residuals. Exact fields (moments, max, row count, nonfinite) are
 compared with their float64 values over every row.
 """
 
@@ -33,7 +34,7 @@ def _valid(q, k, causal, mask, bias):
     if mask is not None:
         valid &= mask
     if bias is not None:
-        valid &= bias > -100
+        valid &= ~(bias <= -100)  # a NaN bias masks nothing
     return valid
 
 
@@ -52,7 +53,7 @@ def reference(call, sigma):
     if call.softcap is not None:
         z = call.softcap * torch.tanh(z / call.softcap)
     if call.bias is not None:
-        z = z + torch.where(call.bias > -100, call.bias.double(), 0.0)
+        z = z + torch.where(call.bias <= -100, 0.0, call.bias.double())
     z = torch.where(valid, z, -math.inf)
     p = torch.softmax(z, -1).nan_to_num(0.0)
     n = valid.sum(-1)
@@ -109,12 +110,16 @@ def test_sampled_estimates_equal_float64_weighted_sums_on_the_same_rows(monkeypa
         ok, rows, heads = reference(call, sigma)
         n_rows = ok.sum((0, 2)).double()
         np.testing.assert_array_equal(fields["rows"].numpy(), n_rows.numpy())
+        x = ok[:, :, positions].double()  # the ratio estimator over the sampled valid rows
+        x_hat = (x * weight).sum((0, 2))
         for metric, y in rows.items():
             picked = y[:, :, positions]  # (B, H, N)
-            total = (picked * weight).sum((0, 2))
+            ratio = (picked * weight).sum((0, 2)) / x_hat
+            total = ratio * n_rows
             got = fields[f"{metric}@{name}"]
             np.testing.assert_allclose(got.numpy(), total.numpy(), rtol=2e-5, atol=1e-5, err_msg=f"{metric}@{name}")
-            var = stratified_variance(picked.sum(0), stratum, sizes, drawn)
+            residual = picked - ratio.view(1, -1, 1) * x
+            var = stratified_variance(residual.sum(0), stratum, sizes, drawn) * (n_rows / x_hat) ** 2
             np.testing.assert_allclose(fields[f"{metric}_var@{name}"].numpy(), var.numpy(), rtol=1e-4, atol=1e-6,
                                        err_msg=f"{metric}_var@{name}")
             # every row: the exact sums
@@ -133,8 +138,12 @@ def test_sampled_estimates_equal_float64_weighted_sums_on_the_same_rows(monkeypa
 @pytest.mark.parametrize("causal", [False, True])
 def test_average_over_every_subset_is_the_exact_value(causal):
     """Unbiased: over all C(L, N) equally likely row sets (the design for N = 2 of 6: one
-    stratum, uniform), the estimates average to the exact totals."""
+    stratum, uniform), the estimates average to the exact totals (the ratio estimator is unbiased
+    where every position has the same number of valid rows: no fully masked row here)."""
     call = _case(causal, True, True, l=6)
+    bias = call.bias.clone()
+    bias[0, 1, 3, :] = 0.5
+    call = dataclasses.replace(call, bias=bias)
     scales = _scales(call)
     full = forward_stats(call, scales, saturation=TAU)
     subsets = list(itertools.combinations(range(6), 2))
@@ -225,3 +234,17 @@ def test_empty_calls(shape):
     k = torch.randn(b, h, 8, d)
     call = AttentionCall(q=q, k=k, v=None, scale=-0.5, bias=torch.zeros(1, 1, l, 8))
     assert forward_stats(call, {"actual": -0.5}, rows=4) == {}
+
+
+@pytest.mark.parametrize("rows", [None, torch.tensor([0, 3, 7, 12, 19])])
+def test_a_nan_bias_entry_reaches_nonfinite_sampled_or_not(rows):
+    """A NaN bias masks nothing: its row's softmax is NaN (as in the model), counted exactly."""
+    call = _case(causal=False, padded=False)
+    bias = call.bias.clone()
+    bias[0, 2, 4, 6] = math.nan  # broadcast over the batch: row 4 of head 2 in both elements
+    call = dataclasses.replace(call, bias=bias)
+    fields = forward_stats(call, _scales(call), rows=rows)
+    valid = _valid(call.q, call.k, False, None, bias)
+    expected = np.zeros(4)
+    expected[2] = valid[:, 2, 4].sum().item()
+    np.testing.assert_array_equal(fields["nonfinite"].numpy(), expected)

@@ -25,7 +25,7 @@ def _probs64(call, sigma):
     if call.softcap is not None:
         z = call.softcap * torch.tanh(z / call.softcap)
     if call.bias is not None:
-        z = z + torch.where(call.bias > -100, call.bias.double(), 0.0)
+        z = z + torch.where(call.bias <= -100, 0.0, call.bias.double())
     return torch.softmax(torch.where(valid, z, -math.inf), -1).nan_to_num(0.0)
 
 
