@@ -37,7 +37,15 @@ from probe.stats.chunks import (
     iter_chunks,
     sample_rows,
 )
-from probe.stats.general import Scratch, combine_moments, general_reduce, general_rows, logit_moments, softmax_stats
+from probe.stats.general import (
+    combine_moments,
+    general_reduce,
+    general_rows,
+    logit_moments,
+    release,
+    softmax_stats,
+    take_scratch,
+)
 from probe.stats.masks import simplify
 from probe.stats.sampling import row_design
 from probe.stats.moments import centred_stats, inputs_finite, key_validity, row_moments
@@ -278,7 +286,7 @@ def _general_stats(call: AttentionCall, values: Sequence[Scale], saturation: flo
     picks = _picks(positions, starts, step, device)
     need_min = any(isinstance(v, Tensor) or float(v) < 0 for v in values)
     proven, bias_masks = _proven_finite(call, values)
-    scratch = Scratch(batch * heads * step * keys, device)  # the widest chunk
+    buffers = take_scratch(batch * heads * step * keys, device)  # the widest chunk
     # the bias is read per chunk here, raw (general_rows masks with it): not through _iter
     plain = dataclasses.replace(call, bias=None)
     bias = None if call.bias is None else _as_4d(call.bias)
@@ -290,10 +298,11 @@ def _general_stats(call: AttentionCall, values: Sequence[Scale], saturation: flo
         if bias is not None:
             b = bias if bias.shape[-2] == 1 else bias[..., r0 : r0 + R.shape[2], :]
             b = b[..., :cols] if b.shape[-1] > cols else b
-        exact, soft = general_rows(R, valid, b, values, call.softcap, scratch, picks[index], need_min, proven,
+        exact, soft = general_rows(R, valid, b, values, call.softcap, buffers, picks[index], need_min, proven,
                                    bias_masks)
         exact_parts.append(torch.stack(exact))
         soft_parts.append(torch.stack(soft))
+    release(buffers)
     exact_all = torch.cat(exact_parts, dim=-1) if len(exact_parts) > 1 else exact_parts[0]
     soft_all = torch.cat(soft_parts, dim=-1) if len(soft_parts) > 1 else soft_parts[0]
     design = None if positions is None else row_design(positions, length)

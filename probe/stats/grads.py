@@ -34,7 +34,7 @@ from probe.call import AttentionCall, Scale
 from probe.stats.chunks import _as_4d, _iter, cache_chunk_rows
 from probe.stats.masks import simplify
 from probe.stats.functional import _proven_finite, accumulation_dtype, grad_logits_shifted, shiftable
-from probe.stats.general import Scratch, chunk_masks
+from probe.stats.general import Scratch, chunk_masks, release, take_scratch
 from probe.stats.sampling import row_design
 from probe.stats.shifted import total_variance
 
@@ -347,11 +347,11 @@ def _general_grads(call: AttentionCall, groups: Dict[object, List[str]], own_log
                cache_chunk_rows(batch, heads, keys), total)
     starts = range(0, total, step)
     picked = None if positions is None else positions.to(device, non_blocking=True)
-    scratch = Scratch(batch * heads * step * keys, device)
+    buffers = take_scratch(batch * heads * step * keys, device)
 
     def dp_into(r0: int, n: int, cols: int) -> Tensor:
         """``dP`` of the chunk's rows (local ``r0 .. r0 + n`` of the rows formed), keys ``:cols``."""
-        out = scratch.get("dp", (batch, heads, n, cols))
+        out = buffers.get("dp", (batch, heads, n, cols))
         pos = None if picked is None else picked[r0 : r0 + n]
         if dprobs is not None:
             src = dprobs[:, :, r0 : r0 + n] if pos is None else dprobs.index_select(2, pos)
@@ -388,10 +388,11 @@ def _general_grads(call: AttentionCall, groups: Dict[object, List[str]], own_log
                 b = bias if bias.shape[-2] == 1 else (
                     bias[..., r0 : r0 + n, :] if picked is None else bias.index_select(-2, picked[r0 : r0 + n]))
                 b = b[..., :cols] if b.shape[-1] > cols else b
-            valid, neg = chunk_masks(valid, b, scratch, bias_masks)
+            valid, neg = chunk_masks(valid, b, buffers, bias_masks)
             dP = dp_into(r0, n, cols)
             for i, sigma in enumerate(values):
-                per_row[i].append(_grad_rows(R, valid, neg, b, dP, sigma, call.softcap, proven, scratch))  # type: ignore[arg-type]
+                per_row[i].append(_grad_rows(R, valid, neg, b, dP, sigma,  # type: ignore[arg-type]
+                                             call.softcap, proven, buffers))
             r0 += n
         for names, part in zip(groups.values(), per_row):
             results[names[0]] = finish(part)
@@ -402,9 +403,10 @@ def _general_grads(call: AttentionCall, groups: Dict[object, List[str]], own_log
             n = min(total, r0 + step) - r0
             # masked entries are -inf or finfo.min in the model's own logits: exp gives 0
             z = (logits[:, :, r0 : r0 + n] if picked is None else logits.index_select(2, picked[r0 : r0 + n])).float()
-            part_rows.append(_grad_rows(z, None, None, None, dp_into(r0, n, keys), 1.0, None, False, scratch))
+            part_rows.append(_grad_rows(z, None, None, None, dp_into(r0, n, keys), 1.0, None, False, buffers))
         groups[None] = own_logits
         results[own_logits[0]] = finish(part_rows)
+    release(buffers)
     out: Dict[str, Tensor] = {}
     unscale = gs.to(acc).square()
     for names in groups.values():

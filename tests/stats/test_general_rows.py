@@ -248,3 +248,20 @@ def test_a_nan_bias_entry_reaches_nonfinite_sampled_or_not(rows):
     expected = np.zeros(4)
     expected[2] = valid[:, 2, 4].sum().item()
     np.testing.assert_array_equal(fields["nonfinite"].numpy(), expected)
+
+
+def test_buffers_kept_between_calls_change_nothing(monkeypatch):
+    """A thread keeps its general-path buffers for the next call (CPUs, within KEEP_BYTES): calls
+    of other shapes in between, forward or backward, leave the results as fresh buffers give."""
+    a = _case(causal=True, padded=True, l=24)
+    b = _case(causal=False, padded=False, gqa=False, l=40, seed=3)
+    first = forward_stats(a, _scales(a), rows=torch.tensor([0, 5, 9, 17]))
+    assert general._KEPT.scratch is not None
+    forward_stats(b, _scales(b))
+    again = forward_stats(a, _scales(a), rows=torch.tensor([0, 5, 9, 17]))
+    for key in first:
+        torch.testing.assert_close(again[key], first[key], rtol=0, atol=0, equal_nan=True)
+    monkeypatch.setattr(general, "KEEP_BYTES", 0)
+    general._KEPT.scratch = None
+    forward_stats(a, _scales(a))
+    assert general._KEPT.scratch is None  # over the limit: not kept
