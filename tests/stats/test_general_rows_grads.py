@@ -134,3 +134,18 @@ def test_every_position_sampled_is_exact_and_empty_calls_give_nothing():
         torch.testing.assert_close(same[key], exact[key], rtol=0, atol=0)
     empty = AttentionCall(q=call.q[:, :, :0], k=call.k, v=call.v, scale=call.scale, bias=call.bias[:, :, :0])
     assert grad_logits_stats(empty, dout[:, :, :0], _scales(call), rows=torch.tensor([], dtype=torch.long)) == {}
+
+
+def test_sampled_general_backward_runs_on_meta():
+    """No host synchronization: bias + softcap + causal + padding, grad_output and grad_probs."""
+    meta = dict(device="meta")
+    q, k, v = torch.empty(2, 8, 300, 64, **meta), torch.empty(2, 2, 300, 64, **meta), torch.empty(2, 2, 300, 32, **meta)
+    call = AttentionCall(q=q, k=k, v=v, scale=0.125, bias=torch.empty(2, 1, 300, 300, **meta),
+                         mask=torch.empty(2, 1, 1, 300, dtype=torch.bool, **meta), causal=True, softcap=30.0)
+    scales = {"actual": 0.125, "unscaled": 1.0, "negative": -0.5}
+    rows = sample_rows(300, 17, torch.Generator().manual_seed(0))
+    for kw in (dict(grad_output=torch.empty(2, 8, 300, 32, **meta)),
+               dict(grad_output=None, grad_probs=torch.empty(16, 300, 300, **meta))):
+        fields = grad_logits_stats(call, scales=scales, budget_bytes=2**22, rows=rows, **kw)
+        assert set(fields) == {f"grad_logits_{f}@{s}" for s in scales for f in ("sq", "var")}
+        assert all(t.device.type == "meta" and t.shape == (8,) for t in fields.values())
