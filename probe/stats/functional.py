@@ -116,8 +116,9 @@ def forward_stats(
             every row, all statistics exact. An int ``N < L`` draws ``N`` distinct positions
             by the stratified design (:func:`sample_rows`, with ``generator``); a 1-D tensor gives the
             sorted positions (drawn by that design). Only ``entropy``, ``max_prob`` and
-            ``saturated`` are then computed on those rows, as Horvitz–Thompson totals (weights
-            ``L_h/n_h``; divided by the exact valid-row count ``rows`` they are unbiased means), with
+            ``saturated`` are then computed on those rows, as totals estimated by the ratio of
+            their Horvitz–Thompson sums (weights ``L_h/n_h``) to that of the valid rows, times the
+            exact valid-row count ``rows`` (:func:`~probe.stats.shifted.shifted_reduce`), with
             ``{field}_var@{s}`` fields holding each total's estimated variance; ``logit_var``,
             ``logit_max``, the row count and ``nonfinite`` stay exact, on the shifted and on the
             general path (bias, softcap, per-head or non-positive scale) alike.
