@@ -49,6 +49,9 @@ NEG = -(2.0**100)
 
 _BOUND = 2.0**90
 
+# Bytes of one block of the per-call preparation's temporaries (q − q̄ rows, float64 key slabs).
+_PREP_BYTES = 2 * 2**20
+
 # The last mask checked for row-independence and the verdict (a weak reference: never kept alive).
 _CHECKED: Dict[str, Tuple["weakref.ref[Tensor]", tuple, Optional[bool]]] = {}
 
@@ -57,6 +60,9 @@ _LOG2E = 1.0 / math.log(2.0)
 # Sampled rows gathered before their exponentials run (causal calls: each batch spans the keys
 # of its last row only).
 _FLUSH_ROWS = 32
+# Bytes of the buffer of gathered sampled rows (and of their exponentials' buffer): a batch of
+# sampled rows runs when it is full (was every sampled row at once: 32 MiB each at (1, 8, 128, 8192)).
+_SAMPLED_BYTES = 8 * 2**20
 
 
 def inputs_finite(call: AttentionCall) -> bool:
@@ -66,8 +72,14 @@ def inputs_finite(call: AttentionCall) -> bool:
     q, k = call.q, call.k
     if q.device.type != "cpu" or q.numel() == 0 or k.numel() == 0:
         return False
-    bound = float(q.abs().amax()) * float(k.abs().amax()) * q.shape[-1]
+    # aminmax: no |q| copy (a q-sized temporary each, 16 MiB at (1, 8, 8192, 64))
+    bound = _absmax(q) * _absmax(k) * q.shape[-1]
     return bound <= _BOUND  # False for NaN
+
+
+def _absmax(t: Tensor) -> float:
+    low, high = torch.aminmax(t)
+    return max(-float(low), float(high)) if not (math.isnan(float(low)) or math.isnan(float(high))) else math.nan
 
 
 def key_validity(call: AttentionCall) -> Tuple[bool, Optional[Tensor], bool]:
@@ -154,27 +166,33 @@ class CentredPrep:
         # [P | k̃_0 … k̃_{S−1}] as (B, Hk, d, 1 + S) float32, contiguous along S (as k in
         # chunks._iter): the product's first column is q_i·P
         self.kt = kt = torch.empty(batch, kv, dim, 1 + keys, device=q.device)
+        # k is copied into kt first and centred there: no other k-sized temporary
+        keys_t = kt[..., 1:]
+        keys_t.copy_(kT)
         if valid is None:
             w = None
-            kbar = kT.mean(-1, keepdim=True, dtype=torch.float32)
-            torch.sub(kT, kbar, out=kt[..., 1:])
+            kbar = keys_t.mean(-1, keepdim=True)
+            keys_t.sub_(kbar)
             n = torch.ones(1, 1, keys, device=q.device)
         else:
             w = valid.to(torch.float32).expand(batch, kv, keys)
-            kbar = (kT * w.unsqueeze(-2)).sum(-1, keepdim=True) / w.sum(-1).clamp(min=1)[..., None, None]
-            torch.sub(kT, kbar, out=kt[..., 1:]).mul_(w.unsqueeze(-2))
+            kbar = torch.matmul(keys_t, w.unsqueeze(-1)) / w.sum(-1).clamp(min=1)[..., None, None]
+            keys_t.sub_(kbar).mul_(w.unsqueeze(-2))
             n = w
         # q_i·k̄ = q̄·k̄ + (q_i − q̄)·k̄: the large part in float64, the rest from centred q (in
-        # float32 q_i·k̄ would round by 2⁻²⁴·|q_i|·|k̄|, the whole spread of mean-dominated logits)
+        # float32 q_i·k̄ would round by 2⁻²⁴·|q_i|·|k̄|, the whole spread of mean-dominated logits);
+        # in blocks of rows, so that q − q̄ is never a q-sized temporary
         qbar = q.mean((0, 2), keepdim=True, dtype=torch.float64).float()  # (1, H, 1, d)
         kq = kbar.transpose(-1, -2).unsqueeze(2).expand(batch, kv, g, 1, dim).reshape(batch, heads, 1, dim)
-        self.shift = (qbar.double() * kq.double()).sum(-1) + ((q - qbar) * kq).sum(-1)  # (B, H, L) float64
+        base = (qbar.double() * kq.double()).sum(-1)  # (B, H, 1) float64
+        self.shift = torch.empty(batch, heads, length, dtype=torch.float64, device=q.device)
+        block = max(1, _PREP_BYTES // max(1, batch * heads * dim * 4))
+        for r0 in range(0, length, block):
+            torch.add(base, ((q[:, :, r0 : r0 + block] - qbar) * kq).sum(-1), out=self.shift[:, :, r0 : r0 + block])
         if call.causal:
             # Σ k̃ over the keys before each chunk (filled into column 1 per chunk) and each
             # row's count of valid keys (rows after the last key: all)
-            starts = torch.arange(0, length, step, device=q.device).clamp(max=keys)
-            before = F.pad(kt[..., 1:].cumsum(-1, dtype=torch.float64), (1, 0))
-            self.before = before.index_select(-1, starts).float()  # (B, Hk, d, chunks)
+            self.before = _prefix_sums(keys_t, [min(r0, keys) for r0 in range(0, length, step)], step)
             counts = n.cumsum(-1)
             rows = counts.index_select(-1, torch.arange(length, device=q.device).clamp(max=keys - 1))
         else:
@@ -182,6 +200,28 @@ class CentredPrep:
             rows = n.sum(-1, keepdim=True).expand(*n.shape[:2], length)
         self.n = rows.unsqueeze(2).expand(batch, kv, g, length).reshape(batch, heads, length)
         self.keybias = None if w is None else torch.where(valid, 0.0, NEG).unsqueeze(-2)  # (b, h, 1, S)
+
+
+def _prefix_sums(keys_t: Tensor, starts: List[int], step: int) -> Tensor:
+    """``Σ_{j < s} k̃_j`` for each start ``s`` (non-decreasing multiples of ``step``, or the key
+    count), ``(B, Hk, d, len(starts))`` float32 from float64 sums: a float64 prefix sum over slabs
+    of keys, so that no ``(B, Hk, d, S)`` float64 copy is made (two of them, 64 MiB at S = 8192)."""
+    batch, kv, dim, _ = keys_t.shape
+    before = torch.zeros(batch, kv, dim, len(starts), dtype=torch.float64, device=keys_t.device)
+    need = max(starts) if starts else 0
+    slab = max(step, (_PREP_BYTES // max(1, batch * kv * dim * 8)) // step * step)
+    carry: Optional[Tensor] = None
+    for k0 in range(0, need, slab):
+        k1 = min(k0 + slab, need)
+        part = keys_t[..., k0:k1].cumsum(-1, dtype=torch.float64)
+        if carry is not None:
+            part.add_(carry)
+        chunks = [c for c, s in enumerate(starts) if k0 < s <= k1]
+        if chunks:
+            cols = torch.tensor([starts[c] - 1 - k0 for c in chunks], device=keys_t.device)
+            before[..., chunks] = part.index_select(-1, cols)
+        carry = part[..., -1:]
+    return before.float()
 
 
 def _softmax_sums(D: Tensor, scales: Sequence[float], e: Tensor) -> List[Tensor]:
@@ -217,14 +257,24 @@ def centred_stats(call: AttentionCall, valid: Optional[Tensor], scales: Sequence
     every = all(p is None for p in picks)
     full_buf = torch.empty(batch * heads * step * (keys + 1), device=device)
     work = torch.empty(batch * heads * step * keys if every else 0, device=device)
-    sampled = None
-    if not every:  # the sampled rows' C, masked (NEG) beyond each chunk's keys
-        total = sum(int(p.shape[0]) for p in picks if p is not None)
-        sampled = torch.full((batch, heads, total, keys), NEG, device=device)
+    sampled = e_buf = None
+    if not every:  # the sampled rows' C, masked (NEG) beyond each chunk's keys, a bounded batch
+        total = sum(int(p.shape[0]) for p in picks if p is not None)  # of them at a time
+        cap = max(1, min(total, _SAMPLED_BYTES // max(1, batch * heads * keys * 4)))
+        sampled = torch.full((batch, heads, cap, keys), NEG, device=device)
+        e_buf = torch.empty(batch * heads * cap * keys, device=device)
     parts: List[Tensor] = []
     soft_parts: List[Tensor] = []
-    filled = flushed = 0
-    cmax_parts: List[Tensor] = []  # the sampled rows' amax, until their exponentials run
+    used = 0  # sampled rows gathered in the buffer
+    cmax_parts: List[Tensor] = []  # their amax, until their exponentials run
+
+    def flush(cols: int) -> None:  # the gathered rows' exponentials, over the keys seen so far
+        nonlocal used, cmax_parts
+        top = torch.cat(cmax_parts, dim=-1) if len(cmax_parts) > 1 else cmax_parts[0]
+        D = sampled[:, :, :used, :cols].sub_(torch.where(top <= NEG / 2, 0.0, top).unsqueeze(-1))
+        soft_parts.append(torch.stack(_softmax_sums(D, scales, e_buf[: D.numel()].view(D.shape))))
+        D.fill_(NEG)  # the buffer is reused: keys beyond a later row's chunk stay masked
+        used, cmax_parts = 0, []
     for index, r0 in enumerate(range(0, length, step)):
         r1 = min(length, r0 + step)
         rows = r1 - r0
@@ -264,19 +314,18 @@ def centred_stats(call: AttentionCall, valid: Optional[Tensor], scales: Sequence
             top = torch.where(cmax <= NEG / 2, 0.0, cmax).unsqueeze(-1)
             soft_parts.append(torch.stack(_softmax_sums(C.sub_(top), scales, work[: C.numel()].view(C.shape))))
         else:
-            if pick is not None and pick.shape[0] > 0:
-                n_pick = pick.shape[0]
-                sampled[:, :, filled : filled + n_pick, :cols] = C.index_select(2, pick)
-                cmax_parts.append(cmax.index_select(2, pick))
-                filled += n_pick
-            # exponentials of the rows gathered so far: at the end, or (causal) once there are
-            # enough of them, over the keys seen so far only
-            if filled > flushed and (r1 == length or (call.causal and filled - flushed >= _FLUSH_ROWS)):
-                top = torch.cat(cmax_parts, dim=-1) if len(cmax_parts) > 1 else cmax_parts[0]
-                D = sampled[:, :, flushed:filled, :cols].sub_(torch.where(top <= NEG / 2, 0.0, top).unsqueeze(-1))
-                e = torch.empty(D.shape, device=device)
-                soft_parts.append(torch.stack(_softmax_sums(D, scales, e)))
-                flushed, cmax_parts = filled, []
+            taken = 0
+            while pick is not None and taken < pick.shape[0]:
+                part = pick[taken : taken + cap - used]
+                sampled[:, :, used : used + part.shape[0], :cols] = C.index_select(2, part)
+                cmax_parts.append(cmax.index_select(2, part))
+                used += part.shape[0]
+                taken += part.shape[0]
+                if used == cap:
+                    flush(cols)
+            # the rest: at the end, or (causal) once there are enough of them
+            if used > 0 and (r1 == length or (call.causal and used >= _FLUSH_ROWS)):
+                flush(cols)
     per_row = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]  # (5, B, H, L)
     c_off, sq, cmax, c_diag, sq_diag = per_row.unbind(0)
     shift = prep.shift

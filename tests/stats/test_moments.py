@@ -193,3 +193,27 @@ def test_the_row_independence_verdict_follows_in_place_changes():
     assert moments.key_validity(call)[0]
     mask[0, 0, 3, 1] = False  # the same tensor, changed: checked again
     assert not moments.key_validity(call)[0]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("cap_bytes", [1, 3 * 2 * 2 * 40 * 4])
+def test_sampled_rows_in_small_batches_give_the_same_sums(monkeypatch, causal, cap_bytes):
+    """The gathered sampled rows run in batches of a bounded buffer (one row, three rows here):
+    the same per-row sums as all at once."""
+    from probe.stats.functional import forward_stats
+    from probe.stats.sampling import sample_rows
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 2, 40, 8, generator=gen) * 2
+    k = torch.randn(2, 2, 40, 8, generator=gen)
+    pad = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    pad[1, ..., 30:] = False
+    call = AttentionCall(q=q, k=k, v=None, scale=0.5, causal=causal, mask=pad)
+    rows = sample_rows(40, 16, torch.Generator().manual_seed(1))
+    scales = {"actual": 0.5, "unscaled": 1.0}
+    whole = forward_stats(call, scales, budget_bytes=2**12, rows=rows)  # small chunks: several
+    monkeypatch.setattr(moments, "_SAMPLED_BYTES", cap_bytes)
+    batched = forward_stats(call, scales, budget_bytes=2**12, rows=rows)
+    assert whole.keys() == batched.keys()
+    for name in whole:
+        torch.testing.assert_close(batched[name], whole[name], rtol=1e-6, atol=1e-9, msg=name)
