@@ -15,19 +15,19 @@ and a ``(b, h, 1, S)`` key mask, so the statistics trim each causal chunk at its
 
 Both readings are exact: the statistics see the same valid entries and the same logits. They
 need the verdict on the host, so they run on CPUs only (elsewhere reading it would synchronize)
-and once per mask: every layer of a model receives the same one, and the verdict is kept, with
-weak references, for as long as that mask lives and is unchanged.
+and once per mask: every layer of a model receives the same one, and the verdict is kept, with a
+weak reference to the mask's memory, for as long as that memory lives and is unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections import OrderedDict
 from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from probe.call import AttentionCall
 from probe.stats.chunks import MASK_BIAS
@@ -37,19 +37,20 @@ __all__ = ["simplify"]
 
 # Verdicts per mask, most recent last: an encoder-decoder passes two or three masks in turn.
 # A front end may hand each layer its own alias of the model's one mask (a detached tensor: the
-# same memory, another object), so an entry is keyed by the memory it reads (address, shape,
-# strides, dtype) and holds weak references to the aliases it has seen: while one of them lives
-# that memory cannot belong to another tensor, and the version counter (shared by aliases)
-# tells an in-place change. The entry dies with its last alias.
+# same memory, another object), and the backward's record holds yet another; so an entry is
+# keyed by the memory it reads (address, shape, strides, dtype) and holds a weak reference to
+# that memory's storage: while it lives the address cannot belong to another tensor, and the
+# version counter (shared by aliases) tells an in-place change. Entries whose storage died are
+# dropped at the next call.
 _MAX_ENTRIES = 8
 _Verdict = Tuple[bool, Optional[Tensor], bool]  # (simplified, key mask (b, h, 1, S) or None, causal)
 
 
 class _Entry:
-    __slots__ = ("refs", "check", "value")
+    __slots__ = ("ref", "check", "value")
 
-    def __init__(self, check: tuple, value) -> None:
-        self.refs: list = []
+    def __init__(self, ref: StorageWeakRef, check: tuple, value) -> None:
+        self.ref = ref
         self.check = check
         self.value = value
 
@@ -65,35 +66,25 @@ def _check(t: Tensor, causal: bool, length: int, keys: int) -> tuple:
     return (t._version, causal, length, keys)
 
 
-def _watch(entry: _Entry, key: tuple, t: Tensor) -> None:
-    """Hold a weak reference to ``t`` in ``entry`` (once per object)."""
-    if any(ref() is t for ref in entry.refs):
-        return
-
-    def forget(ref: "weakref.ref", key: tuple = key, entry: _Entry = entry) -> None:
-        if ref in entry.refs:
-            entry.refs.remove(ref)
-        if not entry.refs and _CACHE.get(key) is entry:
-            del _CACHE[key]
-
-    entry.refs.append(weakref.ref(t, forget))
+def _sweep() -> None:
+    for key in [key for key, entry in _CACHE.items() if entry.ref.expired()]:
+        del _CACHE[key]
 
 
 def _cached(t: Tensor, check: tuple):
+    _sweep()
     key = _where(t)
     entry = _CACHE.get(key)
-    if entry is not None and entry.check == check and any(ref() is not None for ref in entry.refs):
+    if entry is not None and entry.check == check:
         _CACHE.move_to_end(key)
-        _watch(entry, key, t)
         return True, entry.value
     return False, None
 
 
 def _store(t: Tensor, check: tuple, value) -> None:
     key = _where(t)
-    entry = _CACHE[key] = _Entry(check, value)
+    _CACHE[key] = _Entry(StorageWeakRef(t.untyped_storage()), check, value)
     _CACHE.move_to_end(key)
-    _watch(entry, key, t)
     while len(_CACHE) > _MAX_ENTRIES:
         _CACHE.popitem(last=False)
 
@@ -118,10 +109,12 @@ def is_mask(bias: Tensor) -> bool:
     t = _4d(bias)
     rows = t.shape[-2]
     step = max(1, _PATTERN_BYTES // max(1, t.shape[0] * t.shape[1] * t.shape[-1]))
-    for r0 in range(0, rows, step):
-        block = t[..., r0 : r0 + step, :]
+    r0, size = 0, 1  # a genuine bias (T5's, ALiBi) shows in its first row: blocks grow from one row
+    while r0 < rows:
+        block = t[..., r0 : r0 + size, :]
         if not bool((block == 0).logical_or_(block <= MASK_BIAS).all()):
             return False
+        r0, size = r0 + size, min(step, 2 * size)
     return True
 
 
