@@ -48,7 +48,7 @@ from probe.stats.general import (
 )
 from probe.stats.masks import simplify
 from probe.stats.sampling import row_design
-from probe.stats.moments import centred_stats, inputs_finite, key_validity, row_moments
+from probe.stats.moments import absmax, centred_stats, inputs_finite, key_validity, row_moments
 from probe.stats.shifted import causal_upper, grad_logits_shifted, shifted_reduce, shifted_rows
 
 __all__ = [
@@ -93,6 +93,7 @@ def shiftable(call: AttentionCall, values: Sequence[Scale]) -> bool:
     )
 
 
+@torch.no_grad()  # statistics never need autograd (and out= products refuse tensors that require grad)
 def forward_stats(
     call: AttentionCall,
     scales: Mapping[str, Scale],
@@ -253,7 +254,7 @@ def _proven_finite(call: AttentionCall, values: Sequence[Scale]) -> Tuple[bool, 
     q, k, bias = call.q, call.k, call.bias
     if q.device.type != "cpu" or k.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
         return False, True
-    raw = float(q.abs().amax()) * float(k.abs().amax()) * q.shape[-1]
+    raw = absmax(q) * absmax(k) * q.shape[-1]  # no |q|, |k| copies
     sigma = 0.0
     for v in values:
         s = float(v.abs().amax()) if isinstance(v, Tensor) else abs(float(v))

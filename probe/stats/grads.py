@@ -188,6 +188,7 @@ def grad_logits_chunk(
     return g.mul_(g).sum((0, 2, 3))
 
 
+@torch.no_grad()  # as forward_stats: also under a backward with create_graph=True
 def grad_logits_stats(
     call: AttentionCall,
     grad_output: Optional[Tensor],

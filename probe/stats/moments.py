@@ -40,7 +40,7 @@ from torch import Tensor
 
 from probe.call import AttentionCall
 
-__all__ = ["NEG", "CentredPrep", "centred_stats", "inputs_finite", "key_validity", "row_moments"]
+__all__ = ["NEG", "CentredPrep", "absmax", "centred_stats", "inputs_finite", "key_validity", "row_moments", "row_pattern"]
 
 #: The finite mask value of the proven-finite path: every logit is at most ``2⁹⁰`` in size there
 #: (:func:`inputs_finite`), so a masked entry stays below every valid one, and ``e·D`` is ``0``
@@ -73,13 +73,14 @@ def inputs_finite(call: AttentionCall) -> bool:
     if q.device.type != "cpu" or q.numel() == 0 or k.numel() == 0:
         return False
     # aminmax: no |q| copy (a q-sized temporary each, 16 MiB at (1, 8, 8192, 64))
-    bound = _absmax(q) * _absmax(k) * q.shape[-1]
+    bound = absmax(q) * absmax(k) * q.shape[-1]
     return bound <= _BOUND  # False for NaN
 
 
-def _absmax(t: Tensor) -> float:
-    low, high = torch.aminmax(t)
-    return max(-float(low), float(high)) if not (math.isnan(float(low)) or math.isnan(float(high))) else math.nan
+def absmax(t: Tensor) -> float:
+    """``max|t|`` on the host (NaN if ``t`` has one), from ``aminmax``: no ``|t|`` copy."""
+    low, high = (float(x) for x in torch.aminmax(t))
+    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
 
 
 def key_validity(call: AttentionCall) -> Tuple[bool, Optional[Tensor], bool]:
