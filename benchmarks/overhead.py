@@ -27,7 +27,11 @@ another's timing. The arms rotate who goes first each round. Prints medians and 
 probed steps with TensorBoard (``every=1``).
 
 Timings on a shared machine are noisy: trust the ratios of medians of interleaved rounds, not
-single numbers.
+single numbers. ``paired`` is the median over rounds of each round's ratio to that round's bare
+step (a slow period of the machine slows every arm of its round and cancels there). Each arm runs
+its own copy of the model, and where a copy's tensors happen to lie in memory can move a whole
+arm by a few percent: the ``unsampled`` arm, two Python hook calls per step, has read 0.97–1.04
+on a quiet machine.
 
 Usage::
 
@@ -272,6 +276,9 @@ def run_workload(workload: str, seq: int, batch: int, rounds: int, warmup: int, 
         "threads": torch.get_num_threads(), "clock": "cpu" if CLOCK[0] is time.process_time else "wall",
         "median_ms": {n: 1e3 * m for n, m in med.items()},
         "ratio": {n: m / bare for n, m in med.items()},
+        # the median over rounds of each round's time over that round's bare step: a slow period
+        # of the machine slows every arm of its round, and cancels here
+        "paired": {n: statistics.median(t / b for t, b in zip(ts, times["bare"])) for n, ts in times.items()},
         "close_s": close_s, "close_steps": close_steps, "close_before_s": close_before,
     }
     if plain:
@@ -284,9 +291,9 @@ def run_workload(workload: str, seq: int, batch: int, rounds: int, warmup: int, 
 def print_result(res: Dict[str, Any]) -> None:
     print(f"\n{res['description']}\nforward + backward, {res['rounds']} interleaved rounds, "
           f"torch threads {res['threads']}, {res['clock']} time")
-    print(f"{'arm':<22}{'median ms':>12}{'x bare':>10}")
+    print(f"{'arm':<22}{'median ms':>12}{'x bare':>10}{'paired':>10}")
     for name, ms in res["median_ms"].items():
-        print(f"{name:<22}{ms:>12.1f}{res['ratio'][name]:>10.3f}")
+        print(f"{name:<22}{ms:>12.1f}{res['ratio'][name]:>10.3f}{res['paired'][name]:>10.3f}")
     if "overhead_vs_plain" in res:
         print(f"probe overhead / plain overhead (every=1): {res['overhead_vs_plain']:.3f}")
     if res["close_s"] is not None:
