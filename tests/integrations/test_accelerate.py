@@ -38,7 +38,9 @@ def ranks(tmp_path_factory):
     try:
         for p in procs:
             stdout, stderr = p.communicate(timeout=400)
-            assert p.returncode == 0, stderr[-3000:]
+            # the traceback, not the warnings after it (a rank's last lines are often DDP's)
+            at = stderr.rfind("Traceback")
+            assert p.returncode == 0, stderr[at : at + 6000] if at >= 0 else stderr[-3000:]
             reports.append(json.loads(stdout.strip().splitlines()[-1]))
     finally:
         for p in procs:
