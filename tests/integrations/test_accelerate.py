@@ -40,7 +40,8 @@ def ranks(tmp_path_factory):
             stdout, stderr = p.communicate(timeout=400)
             # the traceback, not the warnings after it (a rank's last lines are often DDP's)
             at = stderr.rfind("Traceback")
-            assert p.returncode == 0, stderr[at : at + 6000] if at >= 0 else stderr[-3000:]
+            assert p.returncode == 0, (f"rank exited with {p.returncode}; stdout: {stdout[-500:]!r}; stderr: "
+                                       + (stderr[at : at + 6000] if at >= 0 else stderr[-3000:]))
             reports.append(json.loads(stdout.strip().splitlines()[-1]))
     finally:
         for p in procs:
