@@ -395,19 +395,11 @@ def general_reduce(exact: Tensor, soft: Tensor, count: int, saturation: float, a
     exact valid-row count (:func:`probe.stats.shifted._ratio_totals`, Horvitz-Thompson weights),
     ``variances`` their linearized variances (:func:`~probe.stats.shifted.total_variance`).
     """
-    from probe.stats.shifted import _ratio_totals, total_variance
+    from probe.stats.shifted import _ratio_totals, head_moments, total_variance
 
     n, r, a, b, bad, bad_n = exact[:6]
     dims = (0, 2)
-    n64, r64, a64 = n.to(acc), r.to(acc), a.to(acc)
-    seen = n > 0
-    safe_n = n64.clamp(min=1)
-    mu = r64 + a64 / safe_n
-    m2_row = (b.to(acc) - a64 * a64 / safe_n).clamp(min=0)
-    total = n64.sum(dims)
-    mean = (n64 * mu).sum(dims) / total.clamp(min=1)
-    m2 = m2_row.sum(dims) + (n64 * (mu - mean.view(1, -1, 1)).square()).sum(dims)
-    top = torch.where(seen, r, -math.inf).amax(dims).to(acc)
+    total, mean, m2, top = head_moments(n, r, a, b, acc)
     low = exact[6].amin(dims).to(acc) if exact.shape[0] > 6 else torch.full_like(top, math.inf)
     moments = torch.stack([total, mean, m2, top, low])
     n_ok = (n >= 2).sum(dims, dtype=acc)

@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from probe.call import AttentionCall
-from probe.stats.chunks import MASK_BIAS
+from probe.stats.chunks import MASK_BIAS, _as_4d
 from probe.stats.moments import _PATTERN_BYTES, row_pattern
 
 __all__ = ["simplify"]
@@ -89,12 +89,6 @@ def _store(t: Tensor, check: tuple, value) -> None:
         _CACHE.popitem(last=False)
 
 
-def _4d(t: Tensor) -> Tensor:
-    while t.dim() < 4:
-        t = t.unsqueeze(0)
-    return t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:])
-
-
 def _rows_of(t: Tensor, length: int):
     """``rows(r0, r1)`` of a 4-D tensor broadcastable over rows (a row dim of 1 or stride 0)."""
     if t.shape[-2] == 1 or t.stride(-2) == 0:
@@ -106,7 +100,7 @@ def _rows_of(t: Tensor, length: int):
 def is_mask(bias: Tensor) -> bool:
     """Whether every entry of ``bias`` is 0 or at most ``MASK_BIAS`` (NaN and ``+inf`` are not),
     checked in blocks of rows (bounded temporaries)."""
-    t = _4d(bias)
+    t = _as_4d(bias)
     rows = t.shape[-2]
     step = max(1, _PATTERN_BYTES // max(1, t.shape[0] * t.shape[1] * t.shape[-1]))
     r0, size = 0, 1  # a genuine bias (T5's, ALiBi) shows in its first row: blocks grow from one row
@@ -145,7 +139,7 @@ def simplify(call: AttentionCall, budget_bytes: int = 64 * 2**20) -> AttentionCa
         if not hit:
             value = None  # a genuine bias
             if is_mask(bias):
-                t = _4d(bias)
+                t = _as_4d(bias)
                 b, h = t.shape[:2]
                 valid_rows = _rows_of(t, length)
                 found = (_verdict(lambda r0, r1: valid_rows(r0, r1) > MASK_BIAS, call.causal, length, keys, b, h)
@@ -162,7 +156,7 @@ def simplify(call: AttentionCall, budget_bytes: int = 64 * 2**20) -> AttentionCa
             return dataclasses.replace(call, bias=None, mask=mask)
         _, keymask, causal = value
         return dataclasses.replace(call, bias=None, mask=keymask, causal=causal)
-    mask = _4d(call.mask)  # type: ignore[arg-type]
+    mask = _as_4d(call.mask)  # type: ignore[arg-type]
     if mask.shape[-2] == 1 and mask.shape[-1] == keys:
         return call  # already a key mask
     check = _check(mask, call.causal, length, keys)

@@ -17,7 +17,7 @@ from probe.call import AttentionCall
 from probe.stats.chunks import _iter, all_finite, cache_chunk_rows
 from probe.stats.sampling import row_design, stratified_variance
 
-__all__ = ["causal_upper", "grad_logits_shifted", "mask_", "shifted_reduce", "shifted_rows", "total_variance"]
+__all__ = ["causal_upper", "grad_logits_shifted", "head_moments", "mask_", "shifted_reduce", "shifted_rows", "total_variance"]
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -152,15 +152,7 @@ def shifted_reduce(exact: List[Tensor], soft_rows: List[Tensor], scales: Sequenc
     """
     n, r, a, b, bad = exact
     dims = (0, 2)
-    n64, r64, a64 = n.to(acc), r.to(acc), a.to(acc)
-    seen = n > 0
-    safe_n = n64.clamp(min=1)
-    mu = r64 + a64 / safe_n
-    m2_row = (b.to(acc) - a64 * a64 / safe_n).clamp(min=0)
-    count = n64.sum(dims)
-    mean = (n64 * mu).sum(dims) / count.clamp(min=1)
-    m2 = m2_row.sum(dims) + (n64 * (mu - mean.view(1, -1, 1)).square()).sum(dims)
-    top = torch.where(seen, r, -math.inf).amax(dims).to(acc)
+    count, mean, m2, top = head_moments(n, r, a, b, acc)
     moments = torch.stack([count, mean, m2, top])  # no min: every scale here is positive
     n_ok = (n >= 2).sum(dims, dtype=acc)  # exact, also when the softmax rows are sampled
 
@@ -224,6 +216,22 @@ def _ratio_totals(per_row: Sequence[Tensor], ok: Tensor, weight: Tensor, n_ok: T
         totals.append(torch.where(drawn, ratio * n_ok, y_hat))
         residuals.append(v - ratio.view(1, -1, 1) * x)
     return totals, (torch.stack(residuals), factor.square())
+
+
+def head_moments(n: Tensor, r: Tensor, a: Tensor, b: Tensor, acc: torch.dtype) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per head ``(count, mean, M2, max)`` of the logits from each row's valid count ``n``, max
+    ``r``, ``ΣD`` and ``ΣD²`` (``D = R − r``), ``(B, H, L)`` each: a row has mean ``μ = r + ΣD/n``
+    and ``M2 = ΣD² − (ΣD)²/n``; rows combine exactly in ``acc`` (Chan)."""
+    dims = (0, 2)
+    n64, r64, a64 = n.to(acc), r.to(acc), a.to(acc)
+    safe_n = n64.clamp(min=1)
+    mu = r64 + a64 / safe_n
+    m2_row = (b.to(acc) - a64 * a64 / safe_n).clamp(min=0)
+    count = n64.sum(dims)
+    mean = (n64 * mu).sum(dims) / count.clamp(min=1)
+    m2 = m2_row.sum(dims) + (n64 * (mu - mean.view(1, -1, 1)).square()).sum(dims)
+    top = torch.where(n > 0, r, -math.inf).amax(dims).to(acc)
+    return count, mean, m2, top
 
 
 def total_variance(per_row: Tensor, design: Tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
