@@ -34,24 +34,30 @@ WORLD = 2
 def ranks(tmp_path_factory) -> Dict[str, Any]:
     """Run both ranks once for every test here; kill them if they outlive the timeout."""
     outdir = str(tmp_path_factory.mktemp("dist"))
-    port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.distributed_worker", str(r), str(WORLD), str(port), outdir],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(WORLD)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=TIMEOUT_S)
-            logs.append(out)
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        pytest.fail(f"the 2-process run did not finish within {TIMEOUT_S} s (a collective hung?)")
+    for attempt in range(2):
+        port = free_port()
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.distributed_worker", str(r), str(WORLD), str(port), outdir],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            for r in range(WORLD)
+        ]
+        logs = []
+        try:
+            for proc in procs:
+                out, _ = proc.communicate(timeout=TIMEOUT_S)
+                logs.append(out)
+        except subprocess.TimeoutExpired:
+            for proc in procs:
+                proc.kill()
+            pytest.fail(f"the 2-process run did not finish within {TIMEOUT_S} s (a collective hung?)")
+        # free_port() releases its port before rank 0 binds it: another process may take it in
+        # between. Only that failure is retried, once, on another port.
+        if attempt == 0 and any(p.returncode != 0 and "EADDRINUSE" in log for p, log in zip(procs, logs)):
+            continue
+        break
     for r, proc in enumerate(procs):
         assert proc.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
     results = {}
