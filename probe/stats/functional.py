@@ -195,6 +195,16 @@ def _picks(positions: Optional[Tensor], starts: range, step: int, device: torch.
     return [(positions[chunk_of == c] - r0).to(device, non_blocking=True) for c, r0 in enumerate(starts)]
 
 
+def _chunk_plan(call: AttentionCall, step: int, positions: Optional[Tensor]
+                ) -> Tuple[Optional[List[int]], List[Optional[Tensor]]]:
+    """For chunks of ``step`` query rows: the last query position of each (causal calls, on the
+    host; ``None``: do not trim, also on meta tensors) and each chunk's sampled local rows."""
+    length, device = call.q.shape[2], call.q.device
+    starts = range(0, length, step)
+    last = [min(length, r0 + step) - 1 for r0 in starts] if call.causal and device.type != "meta" else None
+    return last, _picks(positions, starts, step, device)
+
+
 def _centred_stats(call: AttentionCall, floats: List[float], saturation: float, step: int,
                    acc: torch.dtype, positions: Optional[Tensor], valid: Optional[Tensor]
                    ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
@@ -220,10 +230,7 @@ def _shifted_stats(call: AttentionCall, floats: List[float], saturation: float, 
     batch, heads, length, _ = call.q.shape
     keys = call.k.shape[2]
     device = call.q.device
-    starts = range(0, length, step)
-    # last query position of each chunk, on the host (meta tensors: do not trim)
-    last = [min(length, r0 + step) - 1 for r0 in starts] if call.causal and device.type != "meta" else None
-    picks = _picks(positions, starts, step, device)
+    last, picks = _chunk_plan(call, step, positions)
     # a causal call without other masks: mask only each chunk's diagonal block, with one mask
     block = call.causal and call.mask is None
     upper = causal_upper(step, device) if block else None
@@ -283,9 +290,7 @@ def _general_stats(call: AttentionCall, values: Sequence[Scale], saturation: flo
     batch, heads, length, _ = call.q.shape
     keys = call.k.shape[2]
     device = call.q.device
-    starts = range(0, length, step)
-    last = [min(length, r0 + step) - 1 for r0 in starts] if call.causal and device.type != "meta" else None
-    picks = _picks(positions, starts, step, device)
+    last, picks = _chunk_plan(call, step, positions)
     need_min = any(isinstance(v, Tensor) or float(v) < 0 for v in values)
     proven, bias_masks = _proven_finite(call, values)
     buffers = take_scratch(batch * heads * step * keys, device)  # the widest chunk

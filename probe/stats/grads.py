@@ -261,12 +261,10 @@ def grad_logits_stats(
         # one exp2 per scale, cache-sized chunks (probe.stats.functional.grad_logits_shifted);
         # dP from dout·vᵀ or, for an eager call, the hooked ∂L/∂P
         floats = [float(v) for v in values]  # type: ignore[arg-type]
-        if grad_probs is not None:
-            parts, variances = grad_logits_shifted(call, None, None, floats, budget_bytes, acc, grad_scale=gs,
-                                                   positions=rows, dprobs=dprobs)
-        else:
-            parts, variances = grad_logits_shifted(call, dout, vt, floats, budget_bytes, acc, grad_scale=gs,
-                                                   positions=rows)
+        eager = grad_probs is not None
+        parts, variances = grad_logits_shifted(call, None if eager else dout, None if eager else vt, floats,
+                                               budget_bytes, acc, grad_scale=gs, positions=rows,
+                                               dprobs=dprobs if eager else None)
         unscale = gs.to(acc).square()
         fields = {f"grad_logits_sq@{name}": part / unscale for names, part in zip(groups.values(), parts) for name in names}
         if variances is not None:
