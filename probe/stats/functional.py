@@ -48,7 +48,15 @@ from probe.stats.general import (
 )
 from probe.stats.masks import simplify
 from probe.stats.sampling import row_design
-from probe.stats.moments import absmax, centred_stats, inputs_finite, key_validity, row_moments
+from probe.stats.moments import (
+    absmax,
+    blocked_keys,
+    centred_stats,
+    centred_stats_blocked,
+    inputs_finite,
+    key_validity,
+    row_moments,
+)
 from probe.stats.shifted import causal_upper, grad_logits_shifted, shifted_reduce, shifted_rows
 
 __all__ = [
@@ -153,7 +161,8 @@ def forward_stats(
         supported, valid, causal = key_validity(call) if inputs_finite(call) else (False, None, False)
         if supported:  # the centred path (its mask: `valid` and `causal`)
             centred = dataclasses.replace(call, causal=causal)
-            moments, soft, nonfinite, var = _centred_stats(centred, floats, saturation, step, acc, positions, valid)
+            moments, soft, nonfinite, var = _centred_stats(centred, floats, saturation, step, acc, positions, valid,
+                                                           budget_bytes)
         else:
             moments, soft, nonfinite, var = _shifted_stats(call, floats, saturation, step, acc, positions)
     else:
@@ -206,16 +215,19 @@ def _chunk_plan(call: AttentionCall, step: int, positions: Optional[Tensor]
 
 
 def _centred_stats(call: AttentionCall, floats: List[float], saturation: float, step: int,
-                   acc: torch.dtype, positions: Optional[Tensor], valid: Optional[Tensor]
+                   acc: torch.dtype, positions: Optional[Tensor], valid: Optional[Tensor], budget_bytes: int
                    ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """The shifted path for inputs proven finite with no mask, key padding, causal or both
     (:mod:`probe.stats.moments`): per chunk one product with rows centred on their exact mean,
-    ``‖C‖²`` and ``amax``; exponentials on ``positions`` only (all when None)."""
-    batch, heads, length, _ = call.q.shape
-    keys = call.k.shape[2]
-    device = call.q.device
-    starts = range(0, length, step)
-    exact, soft_rows = centred_stats(call, valid, floats, step, _picks(positions, starts, step, device))
+    ``‖C‖²`` and ``amax``; exponentials on ``positions`` only (all when None). Long calls,
+    whose centred k and chunk buffers would outgrow a quarter of the budget, run over blocks
+    of keys instead (:func:`~probe.stats.moments.centred_stats_blocked`)."""
+    length = call.q.shape[2]
+    if blocked_keys(call, valid, step, None if positions is None else positions.shape[0], budget_bytes):
+        exact, soft_rows = centred_stats_blocked(call, valid, floats, positions, budget_bytes)
+    else:
+        starts = range(0, length, step)
+        exact, soft_rows = centred_stats(call, valid, floats, step, _picks(positions, starts, step, call.q.device))
     moments, soft, nonfinite, var = shifted_reduce(exact, soft_rows, floats, saturation, acc,
                                                    None if positions is None else length)
     # count, mean and M2 from the rows' means and M2 (shifted_reduce's assume ΣD, ΣD²)

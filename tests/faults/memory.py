@@ -32,11 +32,15 @@ def _requested_bytes(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -
 
 
 class PeakMemory(TorchDispatchMode):
-    """``with PeakMemory(cap) as m: ...``; then ``m.peak`` (bytes) and ``m.refused``."""
+    """``with PeakMemory(cap) as m: ...``; then ``m.peak`` (bytes) and ``m.refused``.
 
-    def __init__(self, cap: int = 256 * 2**20) -> None:
+    ``exclude``: tensors made before the block (inputs) whose storages are not counted when an
+    op inside returns a view of them (without it, a view counts its whole storage as new)."""
+
+    def __init__(self, cap: int = 256 * 2**20, exclude: Tuple[torch.Tensor, ...] = ()) -> None:
         super().__init__()
         self.cap = cap
+        self.excluded = {t.untyped_storage().data_ptr() for t in exclude}
         self.live: Dict[int, Tuple[StorageWeakRef, int]] = {}
         self.current = 0
         self.peak = 0
@@ -61,7 +65,7 @@ class PeakMemory(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 key = storage.data_ptr()
-                if storage.nbytes() and key not in self.live:
+                if storage.nbytes() and key not in self.live and key not in self.excluded:
                     self.live[key] = (StorageWeakRef(storage), storage.nbytes())
                     self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)

@@ -58,15 +58,29 @@ def _mask(kind: str, b: int, l: int, s: int):
     raise ValueError(kind)
 
 
+@pytest.fixture(params=["chunks", "key blocks"])
+def path(request, monkeypatch):
+    """Each centred-path test on both variants: chunks of query rows over every key
+    (:func:`~probe.stats.moments.centred_stats`) and blocks of keys
+    (:func:`~probe.stats.moments.centred_stats_blocked`, 16 keys and 16 rows per block here, so
+    that these small calls span several)."""
+    blocked = request.param == "key blocks"
+    monkeypatch.setattr(functional, "blocked_keys", lambda *args: blocked)
+    if blocked:
+        monkeypatch.setattr(moments, "_BLOCK_BYTES", 1)
+    return request.param
+
+
 def _spy(monkeypatch):
     seen = []
-    real = moments.centred_stats
+    for name in ("centred_stats", "centred_stats_blocked"):
+        real = getattr(moments, name)
 
-    def spy(*args, **kwargs):
-        seen.append(1)
-        return real(*args, **kwargs)
+        def spy(*args, _real=real, **kwargs):
+            seen.append(1)
+            return _real(*args, **kwargs)
 
-    monkeypatch.setattr(functional, "centred_stats", spy)
+        monkeypatch.setattr(functional, name, spy)
     return seen
 
 
@@ -90,7 +104,7 @@ def _check(call, key_mask, scale=0.25, rtol=1e-5, rows=None):
 @pytest.mark.parametrize("hk", [4, 2])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kind", ["none", "row", "full"])
-def test_centred_moments_match_float64(monkeypatch, kind, causal, hk):
+def test_centred_moments_match_float64(monkeypatch, path, kind, causal, hk):
     seen = _spy(monkeypatch)
     q, k = _inputs(hk=hk)
     mask, key_mask = _mask(kind, 2, 40, 40)
@@ -102,7 +116,7 @@ def test_centred_moments_match_float64(monkeypatch, kind, causal, hk):
 
 
 @pytest.mark.parametrize("hk", [4, 2])
-def test_hugging_faces_causal_padding_mask_without_is_causal(monkeypatch, hk):
+def test_hugging_faces_causal_padding_mask_without_is_causal(monkeypatch, path, hk):
     # transformers passes causality and padding as one (B, 1, L, S) bool mask, is_causal=False
     seen = _spy(monkeypatch)
     q, k = _inputs(hk=hk)
@@ -119,7 +133,7 @@ def test_hugging_faces_causal_padding_mask_without_is_causal(monkeypatch, hk):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(40, 17), (17, 40), (1, 1), (1, 5), (5, 1)])
-def test_lengths_and_tiny_shapes(monkeypatch, shape, causal):
+def test_lengths_and_tiny_shapes(monkeypatch, path, shape, causal):
     seen = _spy(monkeypatch)
     l, s = shape
     q, k = _inputs(l=l, s=s)
@@ -128,7 +142,7 @@ def test_lengths_and_tiny_shapes(monkeypatch, shape, causal):
     assert seen
 
 
-def test_a_fully_padded_batch_row_counts_nothing(monkeypatch):
+def test_a_fully_padded_batch_row_counts_nothing(monkeypatch, path):
     seen = _spy(monkeypatch)
     q, k = _inputs()
     mask = torch.ones(2, 1, 1, 40, dtype=torch.bool)
@@ -139,7 +153,7 @@ def test_a_fully_padded_batch_row_counts_nothing(monkeypatch):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mean,noise", [(10.0, 1e-2), (100.0, 1e-3), (30.0, 1e-4)])
-def test_mean_dominated_logits_keep_their_variance(monkeypatch, mean, noise, causal):
+def test_mean_dominated_logits_keep_their_variance(monkeypatch, path, mean, noise, causal):
     # logits ~ d·mean² with a spread ~1e-3 .. 1e-6 of it: float32 logits keep ~1e-3 of the
     # variance at the worst case here (the path before this one); the centred path's float64 row
     # shift keeps 1e-6 (measured ~1e-8)
@@ -154,7 +168,7 @@ def test_mean_dominated_logits_keep_their_variance(monkeypatch, mean, noise, cau
     assert seen
 
 
-def test_sampled_rows_take_the_centred_path_too(monkeypatch):
+def test_sampled_rows_take_the_centred_path_too(monkeypatch, path):
     seen = _spy(monkeypatch)
     q, k = _inputs(l=64, s=64)
     call = AttentionCall(q=q, k=k, v=None, scale=0.25, causal=True)
@@ -199,7 +213,8 @@ def test_the_row_independence_verdict_follows_in_place_changes():
 @pytest.mark.parametrize("cap_bytes", [1, 3 * 2 * 2 * 40 * 4])
 def test_sampled_rows_in_small_batches_give_the_same_sums(monkeypatch, causal, cap_bytes):
     """The gathered sampled rows run in batches of a bounded buffer (one row, three rows here):
-    the same per-row sums as all at once."""
+    the same per-row sums as all at once (the chunked variant: the blocked one has no such buffer)."""
+    monkeypatch.setattr(functional, "blocked_keys", lambda *args: False)
     from probe.stats.functional import forward_stats
     from probe.stats.sampling import sample_rows
 
@@ -217,3 +232,55 @@ def test_sampled_rows_in_small_batches_give_the_same_sums(monkeypatch, causal, c
     assert whole.keys() == batched.keys()
     for name in whole:
         torch.testing.assert_close(batched[name], whole[name], rtol=1e-6, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_per_head_key_mask_with_grouped_query_attention(monkeypatch, path, causal):
+    # a (B, H, 1, S) mask: each query head its own valid keys, two query heads per kv head
+    seen = _spy(monkeypatch)
+    q, k = _inputs(hk=2, l=40, s=40)
+    mask = torch.rand(2, 4, 1, 40, generator=torch.Generator().manual_seed(3)) > 0.3
+    mask[..., 0] = True  # every causal row has a key
+    _check(AttentionCall(q=q, k=k, v=None, scale=0.25, mask=mask, causal=causal), mask)
+    assert seen
+
+
+def test_key_blocks_take_long_calls_and_leave_short_ones():
+    def call(b, h, hk, length, transposed=False):
+        q, k = torch.empty(b, h, length, 64, device="meta"), torch.empty(b, hk, length, 64, device="meta")
+        return AttentionCall(q=q, k=k, v=None, scale=0.125, causal=True)
+
+    budget = 64 * 2**20
+    step = lambda c: functional.cache_chunk_rows(c.q.shape[0], c.q.shape[1], c.k.shape[2])  # noqa: E731
+    for c, picks in [(call(2, 4, 4, 512), 128), (call(1, 8, 2, 1024), 128), (call(1, 8, 8, 1024), None)]:
+        assert not moments.blocked_keys(c, None, min(step(c), c.q.shape[2]), picks, budget)  # the benchmarks' steps
+    for length in (8192, 16384, 2**20):
+        c = call(1, 8, 8, length)
+        assert moments.blocked_keys(c, None, step(c), 128, budget)
+        assert moments.blocked_keys(c, None, step(c), None, budget)
+
+
+@pytest.mark.parametrize("length", [1024, 4096])
+def test_key_blocks_keep_long_calls_within_the_budget(monkeypatch, length):
+    """The chunked variant's centred copy of k and buffers over every key grow with S (at the
+    default budget: 70 MiB of them at (1, 8, 16384, 64)); blocks of keys do not. Here a 4 MiB
+    budget, which a centred copy of k alone exceeds at S = 2048: the probe's own tensors
+    (the meter counts every storage created inside) stay within it, and a longer call takes
+    no more memory than four times its per-row sums (``O(B·H·L)``, 60 bytes per row)."""
+    from tests.faults.memory import PeakMemory
+
+    budget = 4 * 2**20
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 8, length, 64, generator=g), torch.randn(1, 8, length, 64, generator=g)
+    call = AttentionCall(q=q, k=k, v=None, scale=0.125, causal=True)
+    with PeakMemory(cap=budget, exclude=(q, k)) as mem:
+        got = forward_stats(call, {"actual": 0.125, "unscaled": 1.0}, budget_bytes=budget, rows=128,
+                            generator=torch.Generator().manual_seed(1))
+    assert not mem.refused
+    per_row = 8 * length * 60
+    assert mem.peak <= budget // 2 + per_row, (mem.peak, budget)
+    assert torch.isfinite(got["entropy@actual"]).all()
+    if length == 4096:  # the chunked variant asks for more than the whole budget at once (a 8 MiB k copy)
+        monkeypatch.setattr(functional, "blocked_keys", lambda *args: False)
+        with pytest.raises(MemoryError), PeakMemory(cap=budget, exclude=(q, k)):
+            forward_stats(call, {"actual": 0.125, "unscaled": 1.0}, budget_bytes=budget, rows=128)
