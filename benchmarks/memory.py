@@ -2,7 +2,9 @@
 
 One fresh process per (arm, L): a module calling ``F.scaled_dot_product_attention`` on q, k, v of
 shape (1, 8, L, 64), causal, float32, runs forward (``fwd``) or forward + backward (``fwd+bwd``)
-twice. Arms: ``bare`` (no probe), ``probe`` (``probe.watch(every=1)``, all metrics, three scales;
+twice. ``--layout hf``: as Hugging Face lays them out instead, q, k and v are transposed views of
+projections of shape (1, L, heads, 64) with 2 kv heads (grouped-query attention), k and v slices
+of one fused projection. Arms: ``bare`` (no probe), ``probe`` (``probe.watch(every=1)``, all metrics, three scales;
 with ``grads=True`` on ``fwd+bwd``). The extra peak is the peak resident set size of the probe
 process minus that of the bare process with the same L and pass.
 
@@ -32,7 +34,7 @@ from typing import Dict, List, Optional
 HEADS, DIM = 8, 64
 
 
-def _child(arm: str, length: int, backward: bool, budget: int) -> None:
+def _child(arm: str, length: int, backward: bool, budget: int, layout: str = "sdpa") -> None:
     import torch
     import torch.nn.functional as F
 
@@ -42,11 +44,16 @@ def _child(arm: str, length: int, backward: bool, budget: int) -> None:
 
     class Attention(torch.nn.Module):
         def forward(self, q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=layout == "hf")
 
     model = Attention()
-    shape = (1, HEADS, length, DIM)
-    q, k, v = (torch.randn(shape, requires_grad=backward) for _ in range(3))
+    if layout == "hf":  # transposed views of (1, L, heads, d) projections, 2 kv heads in one k/v projection
+        q = torch.randn(1, length, HEADS, DIM, requires_grad=backward).transpose(1, 2)
+        kv = torch.randn(1, length, 4, DIM, requires_grad=backward).transpose(1, 2)
+        k, v = kv.chunk(2, dim=1)
+    else:
+        shape = (1, HEADS, length, DIM)
+        q, k, v = (torch.randn(shape, requires_grad=backward) for _ in range(3))
     p = probe.watch(model, grads=backward, memory_budget=budget) if arm == "probe" else None
     for _ in range(2):
         out = model(q, k, v)
@@ -60,8 +67,8 @@ def _child(arm: str, length: int, backward: bool, budget: int) -> None:
     print(json.dumps({"peak_mib": peak_kib / 1024}))
 
 
-def measure(arm: str, length: int, backward: bool, budget: int) -> float:
-    cmd = [sys.executable, __file__, "--child", arm, str(length), str(int(backward)), str(budget)]
+def measure(arm: str, length: int, backward: bool, budget: int, layout: str = "sdpa") -> float:
+    cmd = [sys.executable, __file__, "--child", arm, str(length), str(int(backward)), str(budget), layout]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_mib"]
 
@@ -71,20 +78,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--budget", type=int, default=64 * 2**20, help="probe's memory_budget in bytes")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--layout", choices=["sdpa", "hf"], default="sdpa",
+                        help="hf: transposed (1, L, H, d) views, 2 kv heads (grouped-query attention)")
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        arm, length, backward, budget = args.child
-        _child(arm, int(length), bool(int(backward)), int(budget))
+        arm, length, backward, budget, layout = args.child
+        _child(arm, int(length), bool(int(backward)), int(budget), layout)
         return 0
-    print(f"extra peak RSS of probe, (1, {HEADS}, L, {DIM}) causal float32, memory_budget "
+    kv = ", 2 kv heads, Hugging Face layout" if args.layout == "hf" else ""
+    print(f"extra peak RSS of probe, (1, {HEADS}, L, {DIM}) causal float32{kv}, memory_budget "
           f"{args.budget / 2**20:.0f} MiB, one process per cell")
     print(f"{'L':>6}{'pass':>9}{'bare MiB':>11}{'probe MiB':>11}{'extra MiB':>11}{'full logits MiB':>17}")
     rows: List[Dict[str, float]] = []
     for length in args.lengths:
         for backward in (False, True):
-            bare = measure("bare", length, backward, args.budget)
-            probed = measure("probe", length, backward, args.budget)
+            bare = measure("bare", length, backward, args.budget, args.layout)
+            probed = measure("probe", length, backward, args.budget, args.layout)
             full = HEADS * length * length * 4 / 2**20
             name = "fwd+bwd" if backward else "fwd"
             print(f"{length:>6}{name:>9}{bare:>11.1f}{probed:>11.1f}{probed - bare:>11.1f}{full:>17.0f}")

@@ -35,6 +35,7 @@ from probe.stats.chunks import (
     cache_chunk_rows,
     chunk_rows,
     iter_chunks,
+    minmax,
     sample_rows,
 )
 from probe.stats.general import (
@@ -284,7 +285,7 @@ def _proven_finite(call: AttentionCall, values: Sequence[Scale]) -> Tuple[bool, 
     top = abs(float(call.softcap)) if call.softcap is not None else bound
     masks = True
     if bias is not None:
-        low, high = (float(x) for x in torch.aminmax(bias))
+        low, high = (float(x) for x in minmax(bias))
         if not high <= 2.0**100:  # NaN (max() would drop it) or huge
             return False, True
         masks = not low > MASK_BIAS

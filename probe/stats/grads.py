@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall, Scale
-from probe.stats.chunks import _as_4d, _iter, cache_chunk_rows
+from probe.stats.chunks import _as_4d, _iter, cache_chunk_rows, minmax
 from probe.stats.masks import simplify
 from probe.stats.functional import _proven_finite, accumulation_dtype, grad_logits_shifted, shiftable
 from probe.stats.general import Scratch, chunk_masks, release, take_scratch
@@ -85,14 +85,6 @@ def head_sq(grad: Tensor, budget_bytes: int = _HEAD_SQ_BYTES) -> Tensor:
     return (torch.zeros(heads, dtype=dtype, device=grad.device) if total is None else total).to(acc)
 
 
-def _storage_order(t: Tensor) -> Tensor:
-    """``t`` with its dims permuted by decreasing stride: a contiguous view when ``t`` is a
-    permuted contiguous tensor (Hugging Face's transposed ``(B, L, H, d)``), so that a full
-    reduction reads memory in order instead of copying ``t`` first (``aminmax`` does)."""
-    order = sorted(range(t.dim()), key=lambda i: t.stride(i), reverse=True)
-    return t.permute(order)
-
-
 def grad_scale(grad: Tensor) -> Tensor:
     """A power of two ``2**-e`` (0-dim float32, on the device, no host sync) that brings the
     largest entry of ``grad`` into ``[1, 2)``; 1 for a zero, empty or non-finite ``grad``.
@@ -105,7 +97,7 @@ def grad_scale(grad: Tensor) -> Tensor:
     """
     if grad.numel() == 0:
         return torch.ones((), device=grad.device)
-    lo, hi = torch.aminmax(_storage_order(grad.detach()))
+    lo, hi = minmax(grad.detach())
     exponent = torch.floor(torch.log2(torch.maximum(hi, -lo).float()))
     ok = torch.isfinite(exponent)
     return torch.where(ok, torch.exp2(-torch.where(ok, exponent, 0.0)), 1.0)

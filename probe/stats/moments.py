@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from probe.call import AttentionCall
+from probe.stats.chunks import minmax
 
 __all__ = ["NEG", "CentredPrep", "absmax", "blocked_keys", "centred_stats", "centred_stats_blocked", "inputs_finite", "key_validity", "row_moments", "row_pattern"]
 
@@ -86,8 +87,9 @@ def inputs_finite(call: AttentionCall) -> bool:
 
 
 def absmax(t: Tensor) -> float:
-    """``max|t|`` on the host (NaN if ``t`` has one), from ``aminmax``: no ``|t|`` copy."""
-    low, high = (float(x) for x in torch.aminmax(t))
+    """``max|t|`` on the host (NaN if ``t`` has one), from its min and max: no ``|t|`` copy and
+    no copy of a transposed ``t`` (:func:`~probe.stats.chunks.minmax`)."""
+    low, high = (float(x) for x in minmax(t))
     return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
 
 
