@@ -294,7 +294,11 @@ def grad_logits_shifted(call: AttentionCall, dout: Optional[Tensor], vt: Optiona
     if batch * heads * length * keys == 0:
         return [torch.zeros(heads, dtype=acc, device=call.q.device) for _ in values], None
     total = length if positions is None else positions.shape[0]
-    step = min(max(1, budget_bytes // max(1, batch * heads * keys * 4 * _BACKWARD_LIVE_BUFFERS)),
+    # Sampled rows (few: the `rows=` budget) take a quarter of the budget: long rows then go a
+    # few at a time (each chunk rereads k and v, a small cost for ~128 rows), and the process's
+    # extra memory, which also holds code and the allocator's slack, stays within the budget.
+    share = budget_bytes if positions is None else budget_bytes // 4
+    step = min(max(1, share // max(1, batch * heads * keys * 4 * _BACKWARD_LIVE_BUFFERS)),
                cache_chunk_rows(batch, heads, keys), total)  # never above the rows there are
     starts = range(0, total, step)
     last = None
