@@ -49,15 +49,8 @@ from probe.stats.general import (
 )
 from probe.stats.masks import simplify
 from probe.stats.sampling import row_design
-from probe.stats.moments import (
-    absmax,
-    blocked_keys,
-    centred_stats,
-    centred_stats_blocked,
-    inputs_finite,
-    key_validity,
-    row_moments,
-)
+from probe.stats.key_blocks import blocked_keys, centred_stats_blocked
+from probe.stats.moments import absmax, centred_stats, inputs_finite, key_validity, row_moments
 from probe.stats.shifted import causal_upper, grad_logits_shifted, shifted_reduce, shifted_rows
 
 __all__ = [

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from probe.call import AttentionCall
-from probe.stats import functional, moments
+from probe.stats import functional, key_blocks, moments
 from probe.stats.functional import forward_stats
 from tests.helpers import masked_logits64
 
@@ -62,19 +62,19 @@ def _mask(kind: str, b: int, l: int, s: int):
 def path(request, monkeypatch):
     """Each centred-path test on both variants: chunks of query rows over every key
     (:func:`~probe.stats.moments.centred_stats`) and blocks of keys
-    (:func:`~probe.stats.moments.centred_stats_blocked`, 16 keys and 16 rows per block here, so
+    (:func:`~probe.stats.key_blocks.centred_stats_blocked`, 16 keys and 16 rows per block here, so
     that these small calls span several)."""
     blocked = request.param == "key blocks"
     monkeypatch.setattr(functional, "blocked_keys", lambda *args: blocked)
     if blocked:
-        monkeypatch.setattr(moments, "_BLOCK_BYTES", 1)
+        monkeypatch.setattr(key_blocks, "_BLOCK_BYTES", 1)
     return request.param
 
 
 def _spy(monkeypatch):
     seen = []
     for name in ("centred_stats", "centred_stats_blocked"):
-        real = getattr(moments, name)
+        real = getattr(moments if name == "centred_stats" else key_blocks, name)
 
         def spy(*args, _real=real, **kwargs):
             seen.append(1)
@@ -253,11 +253,11 @@ def test_key_blocks_take_long_calls_and_leave_short_ones():
     budget = 64 * 2**20
     step = lambda c: functional.cache_chunk_rows(c.q.shape[0], c.q.shape[1], c.k.shape[2])  # noqa: E731
     for c, picks in [(call(2, 4, 4, 512), 128), (call(1, 8, 2, 1024), 128), (call(1, 8, 8, 1024), None)]:
-        assert not moments.blocked_keys(c, None, min(step(c), c.q.shape[2]), picks, budget)  # the benchmarks' steps
+        assert not key_blocks.blocked_keys(c, None, min(step(c), c.q.shape[2]), picks, budget)  # the benchmarks' steps
     for length in (8192, 16384, 2**20):
         c = call(1, 8, 8, length)
-        assert moments.blocked_keys(c, None, step(c), 128, budget)
-        assert moments.blocked_keys(c, None, step(c), None, budget)
+        assert key_blocks.blocked_keys(c, None, step(c), 128, budget)
+        assert key_blocks.blocked_keys(c, None, step(c), None, budget)
 
 
 @pytest.mark.parametrize("length", [1024, 4096])
