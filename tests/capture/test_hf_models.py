@@ -18,6 +18,7 @@ from torch import nn
 from torch.overrides import _get_current_function_mode_stack
 
 import probe
+from probe.stats import functional
 from tests.helpers import reference_metrics
 
 pytest.importorskip("transformers")
@@ -243,19 +244,28 @@ def _from_probabilities(p: torch.Tensor, valid: torch.Tensor) -> Dict[str, np.nd
             "max_prob": (torch.where(rows, maxp, 0.0).sum((0, 2)) / count).numpy()}
 
 
+@pytest.mark.parametrize("budget", [64 * 2**20, 2**12], ids=["default-budget", "key-blocks"])
 @pytest.mark.parametrize("name,softcap", [(n, None) for n in FAMILIES] + [("gemma2", 2.0)])
-def test_eager_matches_float64_reference_and_returned_probabilities(name, softcap, monkeypatch):
+def test_eager_matches_float64_reference_and_returned_probabilities(name, softcap, budget, monkeypatch):
+    """Every family against float64 and its own returned probabilities; with a 4 KiB
+    ``memory_budget`` too, under which every call of these tiny models that takes the centred path
+    runs over blocks of keys (probe.stats.key_blocks) and every other path in one-row chunks."""
     model = build(name, "eager", softcap)
     module = {"gpt2_inverse": "gpt2"}.get(name, name)
     recorder = Recorder(module, {id(m): n for n, m in model.named_modules()})
     monkeypatch.setattr(recorder.mod, "eager_attention_forward", recorder)
+    blocked = []
+    real_blocked = functional.centred_stats_blocked
+    monkeypatch.setattr(functional, "centred_stats_blocked", lambda *a, **k: blocked.append(1) or real_blocked(*a, **k))
     with torch.no_grad():
         plain = _main(model(**inputs(name), output_attentions=True))
         before = _hooks(model)
-        with probe.watch(model) as p:
+        with probe.watch(model, memory_budget=budget) as p:
             out = model(**inputs(name), output_attentions=True)
     assert torch.equal(_main(out), plain)
     _assert_clean(model, before)
+    # Mistral's sliding-window mask depends on the row, and soft-capping takes the general path
+    assert bool(blocked) == (budget < 2**20 and name != "mistral" and softcap is None)
     s = p.summary()
     assert sorted(recorder.calls) == sorted(s.sites) == sorted(sites(name))
     for site in s.sites:
