@@ -17,8 +17,8 @@ from torch import Tensor
 from probe.call import AttentionCall
 from probe.stats.sampling import sample_rows  # re-exported: the rows= design lives there
 
-__all__ = ["accumulation_dtype", "all_finite", "cache_chunk_rows", "chunk_rows", "iter_chunks", "minmax", "sample_rows",
-           "storage_order"]
+__all__ = ["accumulation_dtype", "all_finite", "cache_chunk_rows", "chunk_rows", "iter_chunks", "kv_product", "kv_view", "minmax",
+           "sample_rows", "storage_order"]
 
 # How many (B, H, rows, S) float32 buffers one chunk keeps alive at once. The shifted path holds
 # R (shifted in place), its masked copy, exp(σD) and one product; the general path R, Z,
@@ -71,6 +71,39 @@ def minmax(t: Tensor) -> Tuple[Tensor, Tensor]:
     if dense.is_contiguous():
         return torch.aminmax(dense)  # type: ignore[return-value]
     return t.amin(), t.amax()
+
+
+# A transposed float32 k or v (Hugging Face's layouts) larger than this is not copied once per
+# call for the products (its (B, H) dims do not flatten, so a batched product would copy it each
+# time): the products then go one ``mm`` per batch and kv head, which reads it in place.
+_KV_COPY_BYTES = 16 * 2**20
+
+
+def kv_view(t: Tensor) -> Tuple[Tensor, bool]:
+    """``(tᵀ, strided)``: ``t`` (k or v, ``(B, H_kv, S, d)``) transposed to ``(B, H_kv, d, S)``
+    float32 for products, and whether it was left a strided view (see :func:`kv_product`).
+    Contiguous float32: a view. A transposed float32 view larger than ``_KV_COPY_BYTES``: a view,
+    strided. Otherwise one contiguous float32 copy (a half-precision tensor is converted anyway)."""
+    if t.dtype == torch.float32 and t.stride(-1) == 1 and not t.is_contiguous() \
+            and t.numel() * 4 > _KV_COPY_BYTES:
+        return t.transpose(-1, -2), True
+    return t.float().contiguous().transpose(-1, -2), False
+
+
+def kv_product(x: Tensor, kv_t: Tensor, strided: bool, out: Optional[Tensor] = None) -> Tensor:
+    """``x @ kv_t``, ``(B, H_kv, M, d) @ (B, H_kv, d, N)``, into ``out`` (contiguous) when given.
+    ``strided`` (:func:`kv_view`): one ``mm`` per batch and kv head, reading ``kv_t`` in place
+    (``mm`` takes a transposed matrix with any leading dimension; a batched product would copy
+    the whole of it)."""
+    if not strided:
+        return torch.matmul(x, kv_t, out=out)
+    batch, heads, rows, _ = x.shape
+    if out is None:
+        out = torch.empty(batch, heads, rows, kv_t.shape[-1], device=x.device, dtype=torch.float32)
+    for b in range(batch):
+        for j in range(heads):
+            torch.mm(x[b, j], kv_t[b if kv_t.shape[0] > 1 else 0, j], out=out[b, j])
+    return out
 
 
 def _as_4d(t: Tensor) -> Tensor:
@@ -143,8 +176,8 @@ def _iter(call: AttentionCall, step: int, positions: Optional[Tensor] = None, re
     # Grouped-query attention: a chunk's q rows are laid out as (B, Hk, g·rows, d), so that one
     # batched product per kv head gives (B, Hk, g·rows, S), which is (B, H, rows, S) in memory;
     # broadcasting k over a group dim instead makes matmul copy the repeated k in every chunk.
-    kt = k.float().contiguous().transpose(-1, -2)
-    if groups > 1:
+    kt, strided = kv_view(k)  # a large transposed k is read in place (kv_product)
+    if groups > 1 and not strided:
         kt = kt.expand(batch, -1, -1, -1)
     total = length if positions is None else positions.shape[0]
     buffer = None
@@ -161,9 +194,9 @@ def _iter(call: AttentionCall, step: int, positions: Optional[Tensor] = None, re
         if groups > 1:
             qc = qc.reshape(batch, kv_heads, groups * rows, dim)
             out = None if R is None else R.view(batch, kv_heads, groups * rows, cols)
-            R = torch.matmul(qc, kc, out=out).view(batch, heads, rows, cols)
+            R = kv_product(qc, kc, strided, out).view(batch, heads, rows, cols)
         else:
-            R = torch.matmul(qc, kc, out=R)
+            R = kv_product(qc, kc, strided, R)
         if causal_mask:
             valid, bias = _chunk_mask(call, r0, r1, pos, cols)
         else:

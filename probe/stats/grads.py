@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall, Scale
-from probe.stats.chunks import _as_4d, _iter, cache_chunk_rows, minmax
+from probe.stats.chunks import _as_4d, _iter, cache_chunk_rows, kv_product, kv_view, minmax
 from probe.stats.masks import simplify
 from probe.stats.functional import _proven_finite, accumulation_dtype, grad_logits_shifted, shiftable
 from probe.stats.general import Scratch, chunk_masks, release, take_scratch
@@ -115,11 +115,12 @@ def _rows_times_kv(x: Tensor, kv_t: Tensor, kv_heads: int, out: Optional[Tensor]
     batch, heads, rows, dim = x.shape
     groups = heads // kv_heads
     cols = kv_t.shape[-1]
+    strided = kv_t.stride(-1) != kv_t.shape[-2]  # left in place by kv_view (a copy's rows are d apart)
     if groups == 1:
-        return torch.matmul(x, kv_t, out=out)
+        return kv_product(x, kv_t, strided, out)
     # (B, Hk, g·rows, d) @ (B, Hk, d, S) is (B, H, rows, S) in memory, without repeating kv
     grouped = None if out is None else out.view(batch, kv_heads, groups * rows, cols)
-    res = torch.matmul(x.reshape(batch, kv_heads, groups * rows, dim), kv_t, out=grouped)
+    res = kv_product(x.reshape(batch, kv_heads, groups * rows, dim), kv_t, strided, grouped)
     return res.view(batch, heads, rows, cols)
 
 
@@ -231,8 +232,9 @@ def grad_logits_stats(
         gs = grad_scale(dprobs)  # dP scaled to at most 2: no float32 overflow in the squares
     elif grad_output is not None and call.v is not None:
         # (B, Hk, dv, S) over a contiguous float32 v: one copy at most (a half-precision
-        # transposed v was copied twice, to float32 and then to contiguous)
-        vt = call.v.to(torch.float32, memory_format=torch.contiguous_format).transpose(-1, -2)
+        # transposed v was copied twice, to float32 and then to contiguous), none for a large
+        # transposed float32 v (read in place, chunks.kv_product)
+        vt = kv_view(call.v)[0]
         dout = grad_output.reshape(batch, heads, length, grad_output.shape[-1])
         gs = grad_scale(dout)  # as above, applied to each chunk of dout rows
     else:
