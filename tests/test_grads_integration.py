@@ -293,3 +293,66 @@ def test_a_failing_backward_reduction_warns_and_leaves_training_intact(monkeypat
     assert all(torch.equal(w.grad, r) for w, r in zip(model.parameters(), ref))
     metrics = p.summary().metrics("layers.0")
     assert "grad_q" in metrics and "grad_logits" not in metrics
+
+
+# -- what the backward keeps alive ----------------------------------------------------------
+class _Projected(nn.Module):
+    """Attention on views of Linear outputs, as Hugging Face lays them out: after SDPA's own
+    backward nothing but a hook's record would still reference those outputs."""
+
+    def __init__(self, dim: int = 512, heads: int = 8) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, length, dim = x.shape
+        q = self.q(x).view(b, length, self.heads, -1).transpose(1, 2)
+        k, v = self.kv(x).view(b, length, 2 * self.heads, -1).transpose(1, 2).chunk(2, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_the_backward_does_not_keep_q_k_v_alive():
+    """Tensors alive when the backward reaches the input (after SDPA's backward and the
+    projections'), grads=True over grads=False: less than the projections' outputs (12 MiB here),
+    which the logits hook's record kept alive through the rest of the backward (at
+    (1, 8, 16384, 64) that raised the backward's peak by 31.5 MiB of tensors)."""
+    from tests.faults.memory import PeakMemory
+
+    torch.manual_seed(0)
+    model = _Projected()
+    alive = {}
+    for grads in (False, True):
+        x = torch.randn(1, 2048, 512, requires_grad=True)
+        with probe.watch(model, grads=grads) as p:
+            model(x).sum().backward()  # the first step runs code paths once
+            with PeakMemory(cap=2**30) as mem:
+                def at_input(grad: torch.Tensor) -> None:
+                    mem._sweep()
+                    alive[grads] = mem.current  # storages made in this step and still alive
+
+                x.register_hook(at_input)
+                model(x).sum().backward()
+            if grads:
+                assert set(GRAD_METRICS) <= set(p.summary().metrics("root"))
+    projections = 3 * x.numel() * 4
+    assert alive[True] - alive[False] < projections / 4, (alive, projections)
+
+
+def test_a_weakened_record_gives_back_its_views_while_they_live():
+    from probe.call import AttentionCall
+    from probe.capture.grads import _Record
+
+    base = torch.randn(2, 6, 4, 8)
+    q = base.transpose(1, 2)
+    k, v = torch.randn(2, 4, 6, 8).chunk(2, dim=1)
+    record = _Record(AttentionCall(q=q, k=k, v=v, scale=0.5, causal=True))
+    assert record.get().q is q
+    record.weaken()
+    got = record.get()
+    assert got.scale == 0.5 and got.causal
+    for new, old in zip((got.q, got.k, got.v), (q, k, v)):
+        assert new.data_ptr() == old.data_ptr() and new.stride() == old.stride() and torch.equal(new, old)
+    del base, q, got, new, old
+    assert record.get() is None  # q's storage freed: nothing to compute from

@@ -16,9 +16,11 @@ recorder's business (:mod:`probe.recorder`): this module computes no statistic.
 
 Ownership: :class:`BackwardHooks` keeps every handle and removes them in
 :meth:`BackwardHooks.remove` (the profiler calls it when the next step's forward begins and on
-``close``); removing twice is harmless, and a probe removes only its own hooks. Until then the
-hooks keep the call's q, k, v (and mask) alive, which the autograd graph keeps anyway, except
-under activation checkpointing.
+``close``); removing twice is harmless, and a probe removes only its own hooks. A logits hook
+keeps the call's q, k, v until it first runs (before the attention's own backward, while the
+graph holds them anyway) and only weakly after (:class:`_Record`): they are not kept alive
+through the rest of the backward and the optimizer step. Masks, bias and the record's other
+fields stay until the hooks are removed.
 
 Reentrant activation checkpointing runs the forward under ``no_grad`` and again inside backward:
 :class:`probe.recompute.Recompute` watches the issuing modules and hooks the recomputed calls.
@@ -26,10 +28,12 @@ Reentrant activation checkpointing runs the forward under ``no_grad`` and again 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Hashable, List, Optional
 
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.hooks import RemovableHandle
 
 from probe.call import AttentionCall
@@ -45,6 +49,60 @@ OnInput = Callable[[str, Hashable, int, Tensor], None]
 
 def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.detach()
+
+
+class _Held:
+    """A tensor held weakly: its storage by a weak reference and its view by shape, strides,
+    offset and dtype. :meth:`get` rebuilds the same view while anything else (the autograd
+    graph, the caller) keeps the storage; ``None`` once it is freed."""
+
+    __slots__ = ("ref", "meta")
+
+    def __init__(self, t: Tensor) -> None:
+        self.ref = StorageWeakRef(t.untyped_storage())
+        self.meta = (t.dtype, t.device, t.shape, t.stride(), t.storage_offset())
+
+    def get(self) -> Optional[Tensor]:
+        storage = torch.UntypedStorage._new_with_weak_ptr(self.ref.cdata)  # None once freed
+        if storage is None:
+            return None
+        dtype, device, shape, stride, offset = self.meta
+        return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
+
+
+class _Record:
+    """The record a logits hook computes from: held strongly until the hook first runs, which is
+    before the attention's own backward (the graph holds q, k, v then anyway), and weakly after,
+    so that q, k, v are not kept alive past that backward (a model whose q, k, v are views of
+    projection outputs frees them there: 96 MiB at (1, 8, 16384, 64)), while a
+    ``backward(retain_graph=True)`` pass, whose graph keeps them, still finds them."""
+
+    __slots__ = ("strong", "weak", "rest")
+
+    def __init__(self, record: AttentionCall) -> None:
+        self.strong: Optional[AttentionCall] = record
+        self.weak: Optional[tuple] = None
+        self.rest: Optional[AttentionCall] = None
+
+    def get(self) -> Optional[AttentionCall]:
+        if self.strong is not None:
+            return self.strong
+        held = [None if h is None else h.get() for h in self.weak]  # type: ignore[union-attr]
+        if any(h is not None and t is None for h, t in zip(self.weak, held)):  # type: ignore[arg-type]
+            return None  # freed: no graph holds them any more
+        q, k, v = held
+        return dataclasses.replace(self.rest, q=q, k=k, v=v)  # type: ignore[arg-type]
+
+    def weaken(self) -> None:
+        record = self.strong
+        if record is None:
+            return
+        self.weak = tuple(None if t is None else _Held(t) for t in (record.q, record.k, record.v))
+        # the rest (scale, masks, bias, logits) stays; empty tensors (no view of q, k, v: a view
+        # would keep their storage) stand in for q, k, v until get() puts them back
+        self.rest = dataclasses.replace(record, q=record.q.new_empty(0), k=record.k.new_empty(0),
+                                        v=None if record.v is None else record.v.new_empty(0))
+        self.strong = None
 
 
 class BackwardHooks:
@@ -112,12 +170,23 @@ class BackwardHooks:
 
     def _dp_hook(self, record: AttentionCall, key: Hashable, step: int, payload: Any,
                  from_probs: bool, fn: Optional[Callable[[Tensor], Tensor]] = None) -> Callable[[Tensor], None]:
+        held = _Record(record)
+        site = record.site
+        del record  # only `held` keeps it (weakly after the first pass)
+
         def hook(grad: Tensor) -> None:
             try:
+                current = held.get()
+                if current is None:  # a later pass whose graph no longer holds q, k, v
+                    self._warn(f"probe: grad_logits skipped at {site!r}: its q, k, v were freed before "
+                               "this backward pass reached it")
+                    return
                 with torch.no_grad():
-                    self._on_logits(record, key, step, payload, grad if fn is None else fn(grad), from_probs)
+                    self._on_logits(current, key, step, payload, grad if fn is None else fn(grad), from_probs)
             except Exception as err:  # noqa: BLE001 - a diagnostic never breaks training
-                self._warn(f"probe: grad_logits failed at {record.site!r}: {type(err).__name__}: {err}")
+                self._warn(f"probe: grad_logits failed at {site!r}: {type(err).__name__}: {err}")
+            finally:
+                held.weaken()
 
         return hook
 
