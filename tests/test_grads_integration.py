@@ -356,3 +356,19 @@ def test_a_weakened_record_gives_back_its_views_while_they_live():
         assert new.data_ptr() == old.data_ptr() and new.stride() == old.stride() and torch.equal(new, old)
     del base, q, got, new, old
     assert record.get() is None  # q's storage freed: nothing to compute from
+
+
+def test_a_record_whose_tensors_have_no_plain_storage_stays_strong():
+    # a tensor subclass without a storage (as DTensor): weakening must not raise inside the
+    # backward hook; the record keeps holding it, as before weak records
+    from probe.call import AttentionCall
+    from probe.capture.grads import _Record
+
+    class NoStorage(torch.Tensor):
+        def untyped_storage(self):
+            raise RuntimeError("no storage")
+
+    q = torch.randn(1, 2, 3, 4).as_subclass(NoStorage)
+    record = _Record(AttentionCall(q=q, k=torch.randn(1, 2, 3, 4), v=None, scale=0.5))
+    record.weaken()
+    assert record.get().q is q

@@ -97,7 +97,11 @@ class _Record:
         record = self.strong
         if record is None:
             return
-        self.weak = tuple(None if t is None else _Held(t) for t in (record.q, record.k, record.v))
+        try:
+            weak = tuple(None if t is None else _Held(t) for t in (record.q, record.k, record.v))
+        except Exception:  # noqa: BLE001 - a tensor without a plain storage (a DTensor, a
+            return  # subclass): keep holding it strongly, as before this class
+        self.weak = weak
         # the rest (scale, masks, bias, logits) stays; empty tensors (no view of q, k, v: a view
         # would keep their storage) stand in for q, k, v until get() puts them back
         self.rest = dataclasses.replace(record, q=record.q.new_empty(0), k=record.k.new_empty(0),
