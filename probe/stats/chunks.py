@@ -17,7 +17,7 @@ from torch import Tensor
 from probe.call import AttentionCall
 from probe.stats.sampling import sample_rows  # re-exported: the rows= design lives there
 
-__all__ = ["accumulation_dtype", "all_finite", "cache_chunk_rows", "chunk_rows", "iter_chunks", "kv_product", "kv_view", "minmax",
+__all__ = ["accumulation_dtype", "all_finite", "cache_chunk_rows", "chunk_rows", "grouped_product", "iter_chunks", "kv_product", "kv_view", "minmax",
            "sample_rows", "storage_order"]
 
 # How many (B, H, rows, S) float32 buffers one chunk keeps alive at once. The shifted path holds
@@ -106,6 +106,22 @@ def kv_product(x: Tensor, kv_t: Tensor, strided: bool, out: Optional[Tensor] = N
     return out
 
 
+def grouped_product(x: Tensor, kv_t: Tensor, out: Optional[Tensor] = None, strided: bool = False) -> Tensor:
+    """``x @ kv_t`` with query heads grouped onto kv heads: ``(B, H, l, d) @ (B, H_kv, d, S)``
+    gives ``(B, H, l, S)``, into ``out`` (contiguous) when given. The rows are laid out as
+    ``(B, H_kv, g·l, d)``, so that one batched product per kv head gives ``(B, H, l, S)`` in memory
+    (broadcasting k over a group dim instead makes matmul copy the repeated k in every call).
+    ``strided``: ``kv_t`` left in place by :func:`kv_view` (:func:`kv_product`)."""
+    batch, heads, rows, dim = x.shape
+    kv_heads, cols = kv_t.shape[1], kv_t.shape[-1]
+    if heads == kv_heads:
+        return kv_product(x, kv_t, strided, out)
+    groups = heads // kv_heads
+    grouped = None if out is None else out.view(batch, kv_heads, groups * rows, cols)
+    res = kv_product(x.reshape(batch, kv_heads, groups * rows, dim), kv_t, strided, grouped)
+    return res.view(batch, heads, rows, cols)
+
+
 def _as_4d(t: Tensor) -> Tensor:
     while t.dim() < 4:
         t = t.unsqueeze(0)
@@ -191,12 +207,7 @@ def _iter(call: AttentionCall, step: int, positions: Optional[Tensor] = None, re
         cols = keys if last is None or not call.causal else max(1, min(keys, last[r0 // step] + 1))
         kc = kt if cols == keys else kt[..., :cols]
         R = None if buffer is None else buffer[: batch * heads * rows * cols].view(batch, heads, rows, cols)
-        if groups > 1:
-            qc = qc.reshape(batch, kv_heads, groups * rows, dim)
-            out = None if R is None else R.view(batch, kv_heads, groups * rows, cols)
-            R = kv_product(qc, kc, strided, out).view(batch, heads, rows, cols)
-        else:
-            R = kv_product(qc, kc, strided, R)
+        R = grouped_product(qc, kc, R, strided)
         if causal_mask:
             valid, bias = _chunk_mask(call, r0, r1, pos, cols)
         else:

@@ -215,7 +215,7 @@ def _centred_stats(call: AttentionCall, floats: List[float], saturation: float, 
     (:mod:`probe.stats.moments`): per chunk one product with rows centred on their exact mean,
     ``‖C‖²`` and ``amax``; exponentials on ``positions`` only (all when None). Long calls,
     whose centred k and chunk buffers would outgrow a quarter of the budget, run over blocks
-    of keys instead (:func:`~probe.stats.moments.centred_stats_blocked`)."""
+    of keys instead (:func:`~probe.stats.key_blocks.centred_stats_blocked`)."""
     length = call.q.shape[2]
     if blocked_keys(call, valid, step, None if positions is None else positions.shape[0], budget_bytes):
         exact, soft_rows = centred_stats_blocked(call, valid, floats, positions, budget_bytes)

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall, Scale
-from probe.stats.chunks import _as_4d, _iter, cache_chunk_rows, kv_product, kv_view, minmax
+from probe.stats.chunks import _as_4d, _iter, cache_chunk_rows, grouped_product, kv_view, minmax
 from probe.stats.masks import simplify
 from probe.stats.functional import _proven_finite, accumulation_dtype, grad_logits_shifted, shiftable
 from probe.stats.general import Scratch, chunk_masks, release, take_scratch
@@ -107,21 +107,6 @@ def _scale_view(scale: Scale, heads: int, like: Tensor) -> Scale:
     if isinstance(scale, Tensor):
         return scale.to(device=like.device, dtype=torch.float32).reshape(1, -1, 1, 1).expand(1, heads, 1, 1)
     return float(scale)
-
-
-def _rows_times_kv(x: Tensor, kv_t: Tensor, kv_heads: int, out: Optional[Tensor] = None) -> Tensor:
-    """``x @ kv_t`` with query heads grouped onto kv heads: ``(B, H, l, d) @ (B, Hk, d, S)``,
-    written into ``out`` (a contiguous ``(B, H, l, S)`` buffer) when given."""
-    batch, heads, rows, dim = x.shape
-    groups = heads // kv_heads
-    cols = kv_t.shape[-1]
-    strided = kv_t.stride(-1) != kv_t.shape[-2]  # left in place by kv_view (a copy's rows are d apart)
-    if groups == 1:
-        return kv_product(x, kv_t, strided, out)
-    # (B, Hk, g·rows, d) @ (B, Hk, d, S) is (B, H, rows, S) in memory, without repeating kv
-    grouped = None if out is None else out.view(batch, kv_heads, groups * rows, cols)
-    res = kv_product(x.reshape(batch, kv_heads, groups * rows, dim), kv_t, strided, grouped)
-    return res.view(batch, heads, rows, cols)
 
 
 def _workspace(buffer: Optional[Tensor], shape: Tuple[int, ...], like: Tensor) -> Tensor:
@@ -341,6 +326,8 @@ def _general_grads(call: AttentionCall, groups: Dict[object, List[str]], own_log
     starts = range(0, total, step)
     picked = None if positions is None else positions.to(device, non_blocking=True)
     buffers = take_scratch(batch * heads * step * keys, device)
+    # whether grad_logits_stats left vᵀ in place (kv_view again: a view of its own result)
+    v_strided = dout_vt is not None and kv_view(dout_vt[1].transpose(-1, -2))[1]
 
     def dp_into(r0: int, n: int, cols: int) -> Tensor:
         """``dP`` of the chunk's rows (local ``r0 .. r0 + n`` of the rows formed), keys ``:cols``."""
@@ -352,7 +339,7 @@ def _general_grads(call: AttentionCall, groups: Dict[object, List[str]], own_log
         assert dout_vt is not None
         dout, vt = dout_vt
         dc = (dout[:, :, r0 : r0 + n] if pos is None else dout.index_select(2, pos)).float() * gs
-        return _rows_times_kv(dc, vt[..., :cols], call.kv_heads, out)
+        return grouped_product(dc, vt[..., :cols], out, v_strided)
 
     def finish(per_row: List[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
         y = torch.cat(per_row, dim=-1) if len(per_row) > 1 else per_row[0]

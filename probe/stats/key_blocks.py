@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall
+from probe.stats.chunks import grouped_product
 from probe.stats.moments import _PREP_BYTES, _SAMPLED_BYTES, NEG, CentredPrep, _exact_rows, _softmax_sums
 
 __all__ = ["blocked_keys", "centred_stats_blocked"]
@@ -74,7 +75,7 @@ def centred_stats_blocked(call: AttentionCall, valid: Optional[Tensor], scales: 
     keys = call.k.shape[2]
     device = q.device
     prep = CentredPrep(call, valid, 0, blocked=True, block_bytes=min(_PREP_BYTES, budget_bytes // 16))
-    kv, g, causal = prep.kv, prep.g, call.causal
+    kv, causal = prep.kv, call.causal
     width, rows = _block_shape(batch, heads, kv, dim, length, keys, budget_bytes)
     kbuf = torch.empty(batch * kv * dim * width, device=device)
     cbuf = torch.empty(batch * heads * rows * width, device=device)
@@ -83,12 +84,7 @@ def centred_stats_blocked(call: AttentionCall, valid: Optional[Tensor], scales: 
     cmax = torch.full((batch, heads, length), NEG, device=device)
 
     def product(qc: Tensor, kblk: Tensor, count: int, cols: int) -> Tensor:
-        C = cbuf[: batch * heads * count * cols].view(batch, heads, count, cols)
-        if g > 1:  # q rows as (B, Hk, g·rows, d): one product per kv head (chunks._iter)
-            torch.matmul(qc.reshape(batch, kv, g * count, dim), kblk, out=C.view(batch, kv, g * count, cols))
-        else:
-            torch.matmul(qc, kblk, out=C)
-        return C
+        return grouped_product(qc, kblk, cbuf[: batch * heads * count * cols].view(batch, heads, count, cols))
 
     for k0 in range(0, keys, width):
         k1 = min(keys, k0 + width)

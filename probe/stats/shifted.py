@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall
-from probe.stats.chunks import _KV_COPY_BYTES, _iter, all_finite, cache_chunk_rows, kv_product
+from probe.stats.chunks import _iter, all_finite, cache_chunk_rows, grouped_product, kv_view
 from probe.stats.sampling import row_design, stratified_variance
 
 __all__ = ["causal_upper", "grad_logits_shifted", "head_moments", "mask_", "shifted_reduce", "shifted_rows", "total_variance"]
@@ -288,11 +288,8 @@ def grad_logits_shifted(call: AttentionCall, dout: Optional[Tensor], vt: Optiona
     batch, heads, length, _ = call.q.shape
     keys, kv_heads = call.k.shape[2], call.kv_heads
     strided = False
-    if vt is not None:
-        strided = vt.dtype == torch.float32 and vt.stride(-2) == 1 and not vt.transpose(-1, -2).is_contiguous() \
-            and vt.numel() * 4 > _KV_COPY_BYTES  # a large transposed v: read in place (chunks.kv_product)
-        if not strided:
-            vt = vt.transpose(-1, -2).contiguous().transpose(-1, -2)  # once, not per chunk (as k in _iter)
+    if vt is not None:  # once, not per chunk (as k in _iter); a large transposed v is read in place
+        vt, strided = kv_view(vt.transpose(-1, -2))
     if positions is not None and positions.shape[0] >= length:
         positions = None
     if batch * heads * length * keys == 0:
@@ -333,12 +330,7 @@ def grad_logits_shifted(call: AttentionCall, dout: Optional[Tensor], vt: Optiona
             dc, vc = dc.float(), vt[..., :cols]
             if grad_scale is not None:
                 dc = dc * grad_scale
-            if kv_heads != heads:
-                g = heads // kv_heads
-                kv_product(dc.reshape(batch, kv_heads, g * rows, -1), vc, strided,  # as q rows in chunks._iter
-                           dP.view(batch, kv_heads, g * rows, cols))
-            else:
-                kv_product(dc, vc, strided, dP)
+            grouped_product(dc, vc, dP, strided)
         # a sum of R proves the chunk finite on CPUs, where an added mask is cheaper (mask_)
         mask_(R, valid, None if upper is None else (r0, upper), valid is not None and all_finite(R))
         rmax = R.amax(-1, keepdim=True)
