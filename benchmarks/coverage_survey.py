@@ -37,7 +37,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from probe.coverage import coverage  # noqa: E402
+from probe.session.coverage import coverage  # noqa: E402
 
 B, L, VOCAB = 2, 8, 64
 Case = Tuple[str, Callable[[], Tuple[nn.Module, tuple, dict]], Optional[Callable[[str, int], float]]]

@@ -2,7 +2,7 @@
 
 Each rank holds the accumulator state of a model with ``--sites`` attention sites of ``--heads``
 heads (the fields ``forward_stats`` and the gradient hooks produce at the three built-in scales),
-then calls :meth:`probe.distributed.Reducer.reduce` ``--flushes`` times: the first flush agrees on
+then calls :meth:`probe.state.distributed.Reducer.reduce` ``--flushes`` times: the first flush agrees on
 the layout (3 collectives), every later one is a single ``all_gather``. Printed: the bytes each
 rank sends, the first flush, the median steady flush, and the ratio to a local flush (pack + host
 copy, what one process pays without torch.distributed). Ranks are processes on this machine, so
@@ -51,8 +51,8 @@ def fake_state(rank: int, sites: int, heads: int):
 
 
 def run(rank: int, world: int, port: int, sites: int, heads: int, flushes: int) -> None:
-    from probe.distributed import Reducer
-    from probe.stats.accumulator import Accumulator
+    from probe.state.distributed import Reducer
+    from probe.state.accumulator import Accumulator
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 import torch
 
 import probe
-from probe.demo import DemoConfig, TinyTransformer, copy_batch, copy_loss
+from probe.cli.demo import DemoConfig, TinyTransformer, copy_batch, copy_loss
 
 RUNS = ("scaled", "unscaled", "headwise")
 COLUMNS = ("entropy", "saturation", "grad_logits")

@@ -31,18 +31,18 @@ __all__ = [
 # public name -> the module that defines it ("variants" is a submodule)
 _WHERE = {
     "AttentionCall": "probe.call",
-    "Probe": "probe.profiler",
+    "Probe": "probe.session.profiler",
     "ProbeError": "probe.errors",
     "StabilityError": "probe.errors",
     "Summary": "probe.summary",
-    "Violation": "probe.thresholds",
-    "assert_stable": "probe.thresholds",
-    "check": "probe.thresholds",
-    "compare": "probe.comparison",
-    "coverage": "probe.coverage",  # the function (README, docs/models.md and probe's warnings name it)
-    "scaling": "probe.intervene",
-    "variants": "probe.variants",
-    "watch": "probe.profiler",
+    "Violation": "probe.ci.thresholds",
+    "assert_stable": "probe.ci.thresholds",
+    "check": "probe.ci.thresholds",
+    "compare": "probe.experiment.compare",
+    "coverage": "probe.session.coverage",  # the function (README, docs/models.md and probe's warnings name it)
+    "scaling": "probe.experiment.scaling",
+    "variants": "probe.experiment.variants",
+    "watch": "probe.session.profiler",
 }
 
 
@@ -71,15 +71,15 @@ def __dir__() -> List[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from probe import variants
+    from probe.experiment import variants
     from probe.call import AttentionCall
-    from probe.comparison import compare
+    from probe.experiment.compare import compare
     from probe.errors import ProbeError
     from probe.errors import StabilityError
-    from probe.intervene import scaling
-    from probe.profiler import Probe
-    from probe.profiler import watch
+    from probe.experiment.scaling import scaling
+    from probe.session.profiler import Probe
+    from probe.session.profiler import watch
     from probe.summary import Summary
-    from probe.thresholds import Violation
-    from probe.thresholds import assert_stable
-    from probe.thresholds import check
+    from probe.ci.thresholds import Violation
+    from probe.ci.thresholds import assert_stable
+    from probe.ci.thresholds import check

@@ -1,5 +1,5 @@
 import sys
 
-from probe.cli import main
+from probe.cli.main import main
 
 sys.exit(main())

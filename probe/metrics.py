@@ -1,8 +1,8 @@
 """The metric catalogue: one :class:`MetricSpec` per metric probe reports.
 
 Everything that depends on *which* metric it is reads it here: how the running state of the
-metric combines across calls, steps and ranks (:mod:`probe.stats.accumulator`,
-:mod:`probe.distributed`), how the state becomes the reported value (:mod:`probe.stats.finalize`),
+metric combines across calls, steps and ranks (:mod:`probe.state.accumulator`,
+:mod:`probe.state.distributed`), how the state becomes the reported value (:mod:`probe.state.finalize`),
 how per-head values fold into one number (sinks, reports), how per-step values fold over a run
 (event files), whether NaN means "no data" (thresholds), the heatmap colour range (images),
 and how compare's table folds heads. A new metric is one entry in :data:`METRICS` plus the pure

@@ -15,16 +15,37 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "probe"
 MAX_LINES = 450
 
+#: The packages, lowest first (docs/architecture.md draws them). A package may import the core
+#: modules and the packages below it, never one above; the exceptions are spelled out in FORBIDDEN.
 #: Rules: (modules the rule applies to, by prefix) -> prefixes they must not import.
 FORBIDDEN: List[Tuple[str, Tuple[str, ...]]] = [
-    ("probe.capture", ("probe.intervene", "probe.variants", "probe.stats", "probe.sinks", "probe.recorder",
-                       "probe.profiler", "probe.results")),
-    ("probe.stats", ("probe.capture", "probe.sinks", "probe.profiler", "probe.recorder", "probe.results",
-                     "probe.intervene", "probe.overrides")),
     ("probe.call", ("probe",)),
-    ("probe.overrides", ("probe.capture", "probe.intervene", "probe.variants", "probe.stats", "probe.sinks",
-                         "probe.profiler", "probe.recorder", "probe.results")),
+    ("probe.stats", ("probe.capture", "probe.session", "probe.state", "probe.sinks", "probe.ci", "probe.cli",
+                     "probe.experiment", "probe.integrations", "probe.summary")),
+    ("probe.capture", ("probe.stats", "probe.session", "probe.state", "probe.sinks", "probe.ci", "probe.cli",
+                       "probe.experiment.scaling", "probe.experiment.variants", "probe.experiment.compare",
+                       "probe.integrations")),
+    ("probe.sinks", ("probe.capture", "probe.stats", "probe.session", "probe.state", "probe.ci", "probe.cli",
+                     "probe.experiment", "probe.integrations")),
+    ("probe.state", ("probe.capture", "probe.session", "probe.ci", "probe.cli", "probe.experiment",
+                     "probe.integrations")),
+    ("probe.ci", ("probe.capture", "probe.stats", "probe.session", "probe.experiment", "probe.integrations",
+                  "probe.cli")),
+    ("probe.session", ("probe.cli", "probe.integrations", "probe.experiment.scaling", "probe.experiment.variants",
+                       "probe.experiment.compare")),
+    ("probe.experiment", ("probe.cli", "probe.integrations")),
+    ("probe.integrations", ("probe.cli", "probe.capture", "probe.stats", "probe.state", "probe.experiment")),
 ]
+
+#: Leaves: they import nothing from probe but ``probe.errors``.
+LEAVES = ("probe.errors", "probe.metrics", "probe.names", "probe.once", "probe.files", "probe.experiment.overrides")
+
+#: What lives directly in ``probe/``: the public facade and the core every package may use. Anything
+#: else belongs in the package of its role (session, capture, stats, state, sinks, ci, experiment,
+#: integrations, cli).
+TOP_LEVEL = {"probe", "probe.__main__", "probe.call", "probe.errors", "probe.files", "probe.metrics", "probe.names",
+             "probe.once", "probe.summary", "probe.torch_support"}
+PACKAGES = {"capture", "ci", "cli", "experiment", "integrations", "session", "sinks", "state", "stats"}
 
 #: Known violations in files other issues are restructuring right now (one owner per file):
 #: tolerated here until those changes land, then removed from these lists.
@@ -132,11 +153,11 @@ def _cycles(graph: Dict[str, Set[str]]) -> List[Set[str]]:
 def test_the_import_graph_is_read():
     graph = _graph()
     assert "probe.capture.sdpa" in graph and "probe.call" in graph["probe.capture.sdpa"]
-    assert "probe.overrides" in graph["probe.capture.sdpa"]
-    assert "probe.capture.mode" in graph["probe.intervene"]
+    assert "probe.experiment.overrides" in graph["probe.capture.sdpa"]
+    assert "probe.capture.mode" in graph["probe.experiment.scaling"]
     # imports inside functions count; TYPE_CHECKING imports do not
-    assert "probe.stats.eager_logits" in graph["probe.recorder"]
-    assert "probe.profiler" not in graph["probe.pytest_plugin"]
+    assert "probe.stats.eager_logits" in graph["probe.session.recorder"]
+    assert "probe.session.profiler" not in graph["probe.ci.pytest_plugin"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
 
 
@@ -149,6 +170,20 @@ def test_forbidden_imports(scope, banned):
         for target in targets if any(_under(target, b) for b in banned)
     )
     assert not bad, "\n".join(bad)
+
+
+def test_leaves_import_only_errors():
+    graph = _graph()
+    bad = sorted(f"{leaf} imports {t}" for leaf in LEAVES for t in graph[leaf] if t != "probe.errors")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_tree_shows_the_design():
+    names = set(_modules())
+    top = {n for n in names if n.count(".") <= 1 and n.split(".")[-1] not in PACKAGES}
+    assert top == TOP_LEVEL, f"modules directly in probe/ beyond the core: {sorted(top - TOP_LEVEL)}"
+    packages = {n.split(".")[1] for n in names if n.count(".") >= 2}
+    assert packages == PACKAGES, f"packages: {sorted(packages)}, docs/architecture.md draws {sorted(PACKAGES)}"
 
 
 def test_no_import_cycle_among_probes_modules():

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import probe
-from probe.cli import ExitCode, main
-from probe.runs import StepWindow, load_run
+from probe.cli.main import ExitCode, main
+from probe.ci.runs import StepWindow, load_run
 from tests.helpers import SDPAModel
 
 NAN = float("nan")

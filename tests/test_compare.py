@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import probe
-from probe.cli import main
-from probe.comparison import COLUMNS, compare
+from probe.cli.main import main
+from probe.experiment.compare import COLUMNS, compare
 from tests.helpers import SDPAAttention, SDPAModel
 
 D = 64
@@ -147,7 +147,7 @@ def test_bad_input_raises_probe_error_and_restores_grads():
     with pytest.raises(probe.ProbeError, match="scalar tensor, got Tensor\\(1, 4, 64\\)"):
         compare(model, x, lambda m, b: m(b))
     assert model.norm.weight.grad is marker
-    assert not probe.intervene.active()
+    assert not probe.experiment.scaling.active()
 
 
 def test_cli_compare(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""probe.coverage, the CLI ``probe coverage`` and the audit behind them (probe.audit)."""
+"""probe.coverage, the CLI ``probe coverage`` and the audit behind them (probe.capture.audit)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from torch import Tensor, nn
 from torch.overrides import _get_current_function_mode_stack
 
 import probe
-from probe.audit import Audit
+from probe.capture.audit import Audit
 from probe.call import AttentionCall
-from probe.cli import main
-from probe.coverage import coverage
+from probe.cli.main import main
+from probe.session.coverage import coverage
 from tests.helpers import hook_count, module_state
 
 D, H = 16, 4

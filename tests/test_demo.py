@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import probe
-from probe.demo import run_demo
+from probe.cli.demo import run_demo
 
 
 def test_demo_shows_saturation_without_scaling(tmp_path):
@@ -80,7 +80,7 @@ def _fake_run(grad_ratios, first_loss=3.0, loss=2.0):
 
 
 def test_reading_says_what_the_grad_ratio_shows_and_no_more():
-    from probe.demo import format_table, reading
+    from probe.cli.demo import format_table, reading
 
     # the ratio at each step: 0.75 is "not vanished", 0.1 is "10x smaller", 1.0 is "no smaller"
     text = reading({"scaled": _fake_run((1.0, 1.0)), "unscaled": _fake_run((0.75, 0.1))}, d_k=128)

@@ -20,7 +20,7 @@ from torch import nn
 
 import probe
 from probe.capture.mode import site_names
-from probe.distributed import combine_ranks, resolve_group
+from probe.state.distributed import combine_ranks, resolve_group
 from probe.stats.functional import combine_moments
 from tests import distributed_worker as worker
 from tests.helpers import free_port

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import probe
-from probe.cli import ExitCode, main
-from probe.cli_check import report_table
-from probe.demo import _estimate_note
-from probe.options import DEFAULT_ROWS
-from probe.thresholds import check, format_table
+from probe.cli.main import ExitCode, main
+from probe.ci.check import report_table
+from probe.cli.demo import _estimate_note
+from probe.session.options import DEFAULT_ROWS
+from probe.ci.thresholds import check, format_table
 
 
 class _Causal(nn.Module):

@@ -271,6 +271,6 @@ def test_loading_the_plugin_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, probe, probe.pytest_plugin; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, probe, probe.ci.pytest_plugin; assert 'torch' not in sys.modules, 'torch imported'"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

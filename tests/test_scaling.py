@@ -203,7 +203,7 @@ def test_wrong_tensor_length_named_during_forward_and_cleanup():
         with probe.scaling(model, torch.ones(3)) as ctx:
             model(torch.randn(1, 3, D))
     assert not is_mode_active(ctx._mode)
-    assert not probe.intervene.active()
+    assert not probe.experiment.scaling.active()
     with pytest.raises(probe.ProbeError, match="`model`"):
         probe.scaling("model", 1.0)
     with pytest.raises(probe.ProbeError, match="`sites=`, got both"):

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from probe import overrides
+from probe.experiment import overrides
 from probe.errors import ProbeError
 from probe.metrics import METRIC_ORDER, METRICS, NAN_MEANS_NO_DATA, field_reduction, head_reduce, spec, step_reduce
 from probe.once import WarnOnce
-from probe.schedule import Action, Schedule
+from probe.session.schedule import Action, Schedule
 
 
 class Rule:

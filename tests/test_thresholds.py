@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import probe
-from probe.thresholds import (
+from probe.ci.thresholds import (
     DEFAULT_THRESHOLDS,
     Threshold,
     evaluate,

@@ -9,7 +9,7 @@ import torch
 
 import probe
 from probe import torch_support
-from probe.cli import main
+from probe.cli.main import main
 from probe.errors import ProbeError
 
 

@@ -233,7 +233,7 @@ def test_bad_input_raises_probe_error():
         variants.headwise(model, x)
     with pytest.raises(probe.ProbeError, match="at most `max_len`=6 key positions at site 'layers.0', got 9"):
         model(torch.randn(1, 9, D))
-    assert not probe.intervene.active()  # nothing left registered after the error
+    assert not probe.experiment.scaling.active()  # nothing left registered after the error
     handle.remove()
     assert hook_count(model) == 0
 

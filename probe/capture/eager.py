@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from probe import overrides
+from probe.experiment import overrides
 from probe.capture.frontend import Emit, FrontEnd
 from probe.capture.eager_products import Products
 from probe.capture.mode import reserve_site
@@ -397,7 +397,7 @@ class EagerFrontEnd(Products, FrontEnd):
 
     # -- the softmax -------------------------------------------------------------------------------
     def _rewrite(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any], Optional[Scores]]]:
-        """``probe.scaling`` on a softmax over recognised scores (:func:`probe.overrides.lookup`):
+        """``probe.scaling`` on a softmax over recognised scores (:func:`probe.experiment.overrides.lookup`):
         ``None`` when not consulted; else (args, kwargs, record) to run and record, the softmax
         input rewritten by :func:`~probe.capture.eager_scores.rescaled` when the scale changes; a
         site the records cannot describe (soft cap, unknown op) is left unchanged."""

@@ -14,7 +14,7 @@ from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
 
 from torch import nn
 
-from probe import overrides
+from probe.experiment import overrides
 from probe.call import AttentionCall
 
 __all__ = ["Emit", "FrontEnd", "NamedSite"]
@@ -31,7 +31,7 @@ class FrontEnd:
     Attributes:
         funcs: the functions the capture mode routes to :meth:`handle` (torch functions, tensor
             methods, higher-order operators).
-        applies_overrides: :meth:`handle` looks up and applies :mod:`probe.overrides` itself, so
+        applies_overrides: :meth:`handle` looks up and applies :mod:`probe.experiment.overrides` itself, so
             an intervention mode above a recording mode leaves these calls to it.
         traceable: :meth:`handle` may run while Dynamo traces (inside a compiled region); it must
             then keep to what Dynamo can replay (FlexAttention: one list append).

@@ -12,7 +12,7 @@ registers (during the forward):
 Each hook only reads its gradient and returns ``None``, so gradients are unchanged. Every
 backward pass through a hooked call contributes (gradient accumulation over micro-batches,
 several ``backward(retain_graph=True)`` calls). What is computed from the gradients is the
-recorder's business (:mod:`probe.recorder`): this module computes no statistic.
+recorder's business (:mod:`probe.session.recorder`): this module computes no statistic.
 
 Ownership: :class:`BackwardHooks` keeps every handle and removes them in
 :meth:`BackwardHooks.remove` (the profiler calls it when the next step's forward begins and on
@@ -23,7 +23,7 @@ through the rest of the backward and the optimizer step. Masks, bias and the rec
 fields stay until the hooks are removed.
 
 Reentrant activation checkpointing runs the forward under ``no_grad`` and again inside backward:
-:class:`probe.recompute.Recompute` watches the issuing modules and hooks the recomputed calls.
+:class:`probe.session.recompute.Recompute` watches the issuing modules and hooks the recomputed calls.
 """
 
 from __future__ import annotations

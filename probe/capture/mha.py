@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from probe import overrides
+from probe.experiment import overrides
 from probe.call import AttentionCall
 from probe.capture.frontend import Emit, FrontEnd, NamedSite
 from probe.once import WarnOnce
@@ -334,7 +334,7 @@ _MHA_PARAMS = ("query", "key", "value", "embed_dim_to_check", "num_heads")  # th
 
 
 def lookup_mha(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[overrides.Override]:
-    """:func:`probe.overrides.lookup` for one ``F.multi_head_attention_forward`` call (``None``:
+    """:func:`probe.experiment.overrides.lookup` for one ``F.multi_head_attention_forward`` call (``None``:
     not consulted). Variants (module overrides) do not reach ``nn.MultiheadAttention``."""
     if not overrides.rules_active():
         return None

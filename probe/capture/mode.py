@@ -20,14 +20,14 @@ from torch.overrides import TorchFunctionMode
 
 from probe.capture.frontend import Emit, FrontEnd
 from probe.capture.sites import SiteStack, SitesFilter, WRAPPER_ATTRS, site_filter, site_names
-from probe.overrides import is_applying
+from probe.experiment.overrides import is_applying
 
 __all__ = [  # the site names are re-exported from probe.capture.sites
     "CaptureMode", "ModuleStack", "SitesFilter", "WRAPPER_ATTRS", "in_front_end", "is_mode_active", "site_filter",
     "site_names",
 ]
 
-#: True while a front end handles an intercepted call. Interventions (``probe.intervene``) are then
+#: True while a front end handles an intercepted call. Interventions (``probe.experiment.scaling``) are then
 #: the front end's to apply or not: an intervention mode never rewrites the calls a front end makes
 #: internally (the MHA mirror's SDPA call), or probe would record one scale and run another.
 _IN_FRONT_END: contextvars.ContextVar[bool] = contextvars.ContextVar("probe_in_front_end", default=False)
@@ -103,7 +103,7 @@ class ModuleStack(SiteStack):
         front end's ``measure_fused(module, name, args, emit, site)`` measures it from its weights.
         """
         n = torch._C._len_torch_function_stack()
-        riders = []  # modes that ride on the capture mode (probe.audit): they leave with it
+        riders = []  # modes that ride on the capture mode (probe.capture.audit): they leave with it
         while n > len(riders) and getattr(torch._C._get_function_stack_at(n - 1 - len(riders)), "rides_capture", False):
             riders.append(torch._C._get_function_stack_at(n - 1 - len(riders)))
         mode = torch._C._get_function_stack_at(n - 1 - len(riders)) if n > len(riders) else None
@@ -135,7 +135,7 @@ class CaptureMode(TorchFunctionMode):
     emitted call are not themselves intercepted.
 
     With ``emit=None`` the mode records nothing and only has its front ends apply overrides
-    (:mod:`probe.overrides`; this is :class:`probe.intervene.InterventionMode`). Such a mode
+    (:mod:`probe.experiment.overrides`; this is :class:`probe.experiment.scaling.InterventionMode`). Such a mode
     leaves a call alone when it is already being applied, when a front end issues it internally
     (its recorded scale must stay true), or when a recording mode below it routes the call to a
     front end that applies overrides itself (probe then records the overridden scale).

@@ -1,6 +1,6 @@
 """Front end for ``F.scaled_dot_product_attention``, and how it applies overrides.
 
-Overrides (:mod:`probe.overrides`: ``probe.scaling``, the variants) are applied here: a float
+Overrides (:mod:`probe.experiment.overrides`: ``probe.scaling``, the variants) are applied here: a float
 scale is passed as SDPA's ``scale``; a per-head scale ``s_h`` by scaling ``q`` per head,
 ``q * (s_h / s_ref)``, and calling SDPA with ``scale=s_ref`` (``s_ref`` the call's own scale or a
 variant's reference), so the factor is exactly 1.0 when ``s_h == s_ref`` (bitwise-identical
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from probe import overrides
+from probe.experiment import overrides
 from probe.call import AttentionCall
 from probe.capture.frontend import Emit, FrontEnd
 
@@ -137,7 +137,7 @@ def apply_override(bound: Dict[str, Any], change: overrides.Override) -> Tuple[D
 
 
 def lookup_sdpa(bound: Dict[str, Any]) -> Optional[overrides.Override]:
-    """:func:`probe.overrides.lookup` for one bound SDPA call (``None``: not consulted)."""
+    """:func:`probe.experiment.overrides.lookup` for one bound SDPA call (``None``: not consulted)."""
     q, k = bound.get("query"), bound.get("key")
     if not isinstance(q, Tensor) or not isinstance(k, Tensor) or q.dim() < 3:
         return None

@@ -20,10 +20,10 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from probe.errors import ProbeError
-from probe.profiler import Probe, watch
-from probe.runs import ContinueRun
+from probe.session.profiler import Probe, watch
+from probe.ci.runs import ContinueRun
 from probe.summary import Summary
-from probe.thresholds import Threshold, Violation, as_thresholds, check, format_value
+from probe.ci.thresholds import Threshold, Violation, as_thresholds, check, format_value
 
 __all__ = ["Judge", "Session", "logger"]
 

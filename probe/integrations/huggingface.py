@@ -28,7 +28,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 
 from probe.integrations._session import Session
-from probe.thresholds import ThresholdLike
+from probe.ci.thresholds import ThresholdLike
 
 __all__ = ["ProbeCallback"]
 

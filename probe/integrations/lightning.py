@@ -21,7 +21,7 @@ import os
 from typing import Any, Iterable, List, Optional, Tuple, Union
 
 from probe.integrations._session import Session
-from probe.thresholds import ThresholdLike
+from probe.ci.thresholds import ThresholdLike
 
 __all__ = ["ProbeCallback"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterator, Optional, Protocol, Set, Tuple, Type, runtime_checkable
 
-from probe.stats.finalize import head_reduce
+from probe.metrics import head_reduce
 from probe.sinks.tags import scalar_tag  # re-exported: the tag names live in probe.sinks.tags
 from probe.summary import Summary
 
@@ -19,7 +19,7 @@ class Sink(Protocol):
     ``write(step, summary)`` runs on a background thread of its own, once per flush, in step order;
     ``summary`` holds the flush window only (``summary.steps`` probed steps, the last being
     ``step``; several flushes merged into one when the sink fell behind, see
-    :mod:`probe.sinks.writer`), not the running total. An exception from any method is caught
+    :mod:`probe.state.writer`), not the running total. An exception from any method is caught
     and warned about once (:class:`SinkGuard`); it never reaches the training loop. A sink is a few lines::
 
         class PrintSink:

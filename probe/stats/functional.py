@@ -2,7 +2,7 @@
 
 Everything here is a function of tensors: no state, no host synchronization (no ``.item()``,
 no data-dependent shapes), so it runs unchanged on ``meta`` tensors. Running state and its
-combination across calls, steps and ranks live in :mod:`probe.stats.accumulator`.
+combination across calls, steps and ranks live in :mod:`probe.state.accumulator`.
 
 Notation (DESIGN.md): ``R = q @ k.T`` (raw dot products), ``A`` the additive bias with masked
 entries removed, ``σ`` a scale, ``Z = σR + A`` (``c·tanh(σR/c) + A`` with softcap ``c``),
@@ -105,7 +105,7 @@ def forward_stats(
     rows: Union[None, int, Tensor] = None,
     generator: Optional[torch.Generator] = None,
 ) -> Dict[str, Tensor]:
-    """All forward metrics of one call, as accumulator fields (see :mod:`probe.stats.accumulator`).
+    """All forward metrics of one call, as accumulator fields (see :mod:`probe.state.accumulator`).
 
     One ``q @ k.T`` per chunk of query rows serves every scale; ``logit_var`` and ``logit_max``
     are derived from the moments of ``R``; scales with the same value share one softmax pass.

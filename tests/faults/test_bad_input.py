@@ -13,8 +13,8 @@ import warnings
 import pytest
 
 import probe
-from probe.cli import main
-from probe.thresholds import as_thresholds, load_thresholds, parse_threshold
+from probe.cli.main import main
+from probe.ci.thresholds import as_thresholds, load_thresholds, parse_threshold
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOOD = {"format": "probe.summary/1", "steps": 1, "meta": {},

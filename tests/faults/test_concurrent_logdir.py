@@ -34,7 +34,7 @@ def test_a_run_opened_while_another_writes_to_the_same_logdir_goes_to_a_fresh_on
 
 @pytest.mark.parametrize("given", [".", "./", "sub/.."])
 def test_a_run_in_the_current_directory_goes_to_a_sibling_named_after_it(tmp_path, monkeypatch, given):
-    from probe.runs import fresh_logdir
+    from probe.ci.runs import fresh_logdir
 
     run = tmp_path / "exp"
     (run / "sub").mkdir(parents=True)

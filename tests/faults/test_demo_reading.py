@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import probe
-from probe.demo import format_table, reading
+from probe.cli.demo import format_table, reading
 
 
 def _run(unscaled, standard=2e-3):

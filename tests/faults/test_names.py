@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 import probe
-from probe.cli import main
+from probe.cli.main import main
 from probe.names import decode_name, encode_name, printable
-from probe.runs import load_run
+from probe.ci.runs import load_run
 from probe.sinks.tags import parse_scalar_tag, scalar_tag
 from tests.helpers import SDPAAttention
 

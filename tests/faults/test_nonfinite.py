@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import probe
-from probe.cli import main
+from probe.cli.main import main
 from tests.helpers import OneCall, SDPAModel
 
 

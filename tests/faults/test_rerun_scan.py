@@ -5,7 +5,7 @@ scalars measured on the shared machine)."""
 
 from __future__ import annotations
 
-from probe.runs import _holds_probe_run, fresh_logdir
+from probe.ci.runs import _holds_probe_run, fresh_logdir
 
 
 def test_event_files_without_a_probe_tag_are_not_parsed(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ import torch
 
 import probe
 from probe.sinks.base import BaseSink
-from probe.sinks.writer import Writer
+from probe.state.writer import Writer
 from tests.sinks.sinkutil import RecordingSink, model_and_inputs, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -19,7 +19,7 @@ def test_importing_probe_imports_no_framework() -> None:
     run = _run(
         "import sys, probe, probe.integrations\n"
         "probe.watch, probe.check, probe.Probe, probe.Summary\n"
-        "import probe.profiler, probe.thresholds, probe.sinks.tensorboard, probe.integrations._session\n"
+        "import probe.session.profiler, probe.ci.thresholds, probe.sinks.tensorboard, probe.integrations._session\n"
         f"print(sorted(m for m in {FRAMEWORKS!r} if m in sys.modules))\n"
     )
     assert run.returncode == 0, run.stderr[-2000:]

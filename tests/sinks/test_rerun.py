@@ -8,7 +8,7 @@ import os
 import pytest
 
 import probe
-from probe.runs import ContinueRun, load_run
+from probe.ci.runs import ContinueRun, load_run
 from probe.summary import SUMMARY_FILE
 from tests.sinks.sinkutil import model_and_inputs, train_step
 

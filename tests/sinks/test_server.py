@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 import probe
-from probe.stats.finalize import head_reduce
+from probe.metrics import head_reduce
 from tests.sinks.sinkutil import model_and_inputs, reference_summary, train_step
 
 STARTUP_S = 90  # two shared CPU cores: TensorBoard imports slowly when the machine is busy

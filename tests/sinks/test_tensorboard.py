@@ -13,7 +13,7 @@ import probe
 from probe.sinks.base import scalar_tag
 from probe.sinks.images import grid_of, render_heatmap
 from probe.sinks.tensorboard import custom_scalars_layout
-from probe.stats.finalize import head_reduce
+from probe.metrics import head_reduce
 from tests.sinks.sinkutil import RecordingSink, model_and_inputs, reference_summary, train_step
 
 EVERYTHING = {"images": 0, "histograms": 0, "scalars": 0, "tensors": 0}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from probe.stats.finalize import finalize
+from probe.state.finalize import finalize
 
 SPECIALS = torch.tensor([0.0, -0.0, 1.0, -1.0, float("nan"), float("inf"), -float("inf"), 1e-300, 1e300, 3.0])
 SCALES = ("actual", "unscaled", "standard")

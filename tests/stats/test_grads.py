@@ -186,7 +186,7 @@ def test_per_head_scale_softcap_and_fully_masked_rows_in_the_pure_function():
 def test_eager_softmax_output_hook_is_exact_with_dropout_and_a_bmm_layout():
     """With the softmax output in the record, its hook receives dP = ∂L/∂P itself, dropout mask
     and 1/(1-p) included (which ∂L/∂out · vᵀ would miss), here in a (B·H, L, S) bmm layout."""
-    from probe.recorder import GradHooks
+    from probe.session.recorder import GradHooks
 
     q, k, v = _leaves(l=5, s=6)
     mask = torch.ones(2, 1, 5, 6, dtype=torch.bool)
@@ -219,7 +219,7 @@ def test_eager_softmax_output_hook_is_exact_with_dropout_and_a_bmm_layout():
 
 
 def test_eager_call_with_unknown_scale_reports_actual_from_its_own_logits():
-    from probe.recorder import GradHooks
+    from probe.session.recorder import GradHooks
 
     q, k, v = _leaves(l=5)
     w = torch.randn(2, 4, 5, 16)

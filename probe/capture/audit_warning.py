@@ -1,6 +1,6 @@
 """The warning of ``probe.watch``: no attention probe misses goes unsaid (issue 17).
 
-The first sampled forward of a probe runs under an :class:`probe.audit.Audit`; each attention it
+The first sampled forward of a probe runs under an :class:`probe.capture.audit.Audit`; each attention it
 finds that probe did not report, or reported under another module's name, gets one
 ``UserWarning`` naming the module and why. Later forwards pay nothing.
 """
@@ -11,7 +11,7 @@ from typing import Any, List, Optional, Set
 
 from torch import nn
 
-from probe.audit import Audit, Event
+from probe.capture.audit import Audit, Event
 
 __all__ = ["FirstForwardAudit"]
 

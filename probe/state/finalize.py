@@ -11,13 +11,10 @@ from typing import Dict
 import numpy as np
 import torch
 
-from probe.metrics import METRIC_ORDER, METRICS, field_spec, head_reduce
-from probe.stats.accumulator import GRAD_STEPS, State
+from probe.metrics import METRIC_ORDER, field_spec
+from probe.state.accumulator import GRAD_STEPS, State
 
-__all__ = ["HEAD_REDUCTION", "METRIC_ORDER", "finalize", "head_reduce"]
-
-#: How a metric's per-head values fold into one scalar, where not the mean (see probe.metrics).
-HEAD_REDUCTION = {m.name: m.heads for m in METRICS if m.heads != "mean"}
+__all__ = ["finalize"]
 
 
 def _nonneg(v: np.ndarray) -> np.ndarray:

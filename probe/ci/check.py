@@ -2,7 +2,7 @@
 
 A run is a ``probe_summary.json`` (written by ``probe.watch(model, logdir=...)`` on close), or a
 directory holding one; without that file, the TensorBoard event files of the directory are read
-(see :mod:`probe.runs`). A directory holding neither is searched for runs below it, and each is
+(see :mod:`probe.ci.runs`). A directory holding neither is searched for runs below it, and each is
 judged: ``probe check runs/demo`` judges ``runs/demo/scaled`` and ``runs/demo/unscaled`` and exits
 with the worst verdict. Every output says which source and which probed steps its values come from.
 """
@@ -18,9 +18,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from probe.errors import ProbeError
-from probe.exit_codes import ExitCode
+from probe.ci.exit_codes import ExitCode
 from probe.names import printable
-from probe.runs import StepWindow, find_runs, load_run
+from probe.ci.runs import StepWindow, find_runs, load_run
 from probe.summary import Summary, format_estimate
 
 __all__ = ["add_commands", "load_run", "positive_int", "report_table", "steps_line"]
@@ -55,7 +55,7 @@ def _fmt(x: float) -> str:
 def _cell(summary: Summary, site: str, metric: str, scale: str) -> str:
     """The head aggregate at one scale; for an estimate ``value ± se``, ``se`` the heads' mean
     standard error (at least the standard error of their mean)."""
-    from probe.stats.finalize import head_reduce
+    from probe.metrics import head_reduce
 
     value = head_reduce(metric, summary.value(site, metric, scale))
     se = summary.standard_error(site, metric, scale)
@@ -67,7 +67,7 @@ def report_table(summary: Summary) -> str:
     (mean; max for ``logit_max``, sum for ``nonfinite``) and the range over heads at ``actual``.
     Columns line up across all sites."""
     from probe.sinks.tags import scale_label
-    from probe.stats.finalize import head_reduce
+    from probe.metrics import head_reduce
 
     builtin = ("actual", "unscaled", "standard")  # then extra scales, in the order seen
     scales: List[str] = []
@@ -130,7 +130,7 @@ def _error(args: argparse.Namespace, message: str) -> int:
 
 def _judge(path: str, args: argparse.Namespace, rules: List[Any], origin: str) -> Tuple[int, Dict[str, Any], List[str]]:
     """One run: (exit code, JSON object, text lines)."""
-    from probe.thresholds import evaluate, format_table
+    from probe.ci.thresholds import evaluate, format_table
 
     window = _window(args)
     try:
@@ -162,7 +162,7 @@ def _judge(path: str, args: argparse.Namespace, rules: List[Any], origin: str) -
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from probe.thresholds import as_thresholds, load_thresholds
+    from probe.ci.thresholds import as_thresholds, load_thresholds
 
     try:
         if args.threshold:

@@ -32,8 +32,8 @@ from probe.errors import ProbeError, StabilityError
 from probe.files import read_regular_file
 from probe.names import printable
 from probe.summary import Summary, format_estimate, json_number
-from probe.threshold_expr import DEFAULT_THRESHOLDS, Threshold, ThresholdLike, as_thresholds, parse_threshold
-from probe.threshold_expr import _OPS
+from probe.ci.expressions import DEFAULT_THRESHOLDS, Threshold, ThresholdLike, as_thresholds, parse_threshold
+from probe.ci.expressions import _OPS
 
 __all__ = [
     "CONFIG_FILES",

@@ -11,21 +11,21 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
 import torch
 from torch import nn
 
-from probe.audit_warning import FirstForwardAudit
+from probe.capture.audit_warning import FirstForwardAudit
 from probe.capture.mode import CaptureMode, ModuleStack, SitesFilter, site_filter
 from probe.capture.registry import default_frontends
-from probe.compiled import EagerSteps, check_model, is_compiled, outside_graph
-from probe.distributed import resolve_group
+from probe.session.compiled import EagerSteps, check_model, is_compiled, outside_graph
+from probe.state.distributed import resolve_group
 from probe.errors import ProbeError
-from probe.forward_guard import ForwardFrame, RootHook
+from probe.session.forward_guard import ForwardFrame, RootHook
 from probe.once import WarnOnce
-from probe.options import BUILTIN_SCALES, DEFAULT_ROWS, ExtraScale, check_int, check_scales, check_seconds, tensorboard_sink
-from probe.recorder import Recorder
-from probe.results import Results, pending_states, step_ends
-from probe.schedule import Action, Schedule
+from probe.session.options import BUILTIN_SCALES, DEFAULT_ROWS, ExtraScale, check_int, check_scales, check_seconds, tensorboard_sink
+from probe.session.recorder import Recorder
+from probe.state.results import Results, pending_states, step_ends
+from probe.session.schedule import Action, Schedule
 from probe.sinks.base import Sink
-from probe.sinks.writer import Window, Writer, to_host
-from probe.stats.accumulator import State
+from probe.state.writer import Window, Writer, to_host
+from probe.state.accumulator import State
 from probe.summary import SUMMARY_FILE, Summary
 
 __all__ = ["BUILTIN_SCALES", "Probe", "watch"]
@@ -63,7 +63,7 @@ class Probe:
             ``False``: per-rank statistics). Only rank 0 writes (TensorBoard, sinks, summary file);
             every rank's :meth:`summary` is the global one as of the last flush, and every rank
             must flush at the same steps (``docs/distributed.md``).
-        audit: warn once per attention the first sampled forward shows probe misses (:mod:`probe.audit`).
+        audit: warn once per attention the first sampled forward shows probe misses (:mod:`probe.capture.audit`).
     """
 
     def __init__(
@@ -123,7 +123,7 @@ class Probe:
         self._stack = ModuleStack(model)
         self._frontends = default_frontends()
         self._mode: Optional[CaptureMode] = None
-        self._eager = EagerSteps()  # torch.compile: sampled steps run eagerly (probe.compiled)
+        self._eager = EagerSteps()  # torch.compile: sampled steps run eagerly (probe.session.compiled)
         self._eager.attach(model)
         self._emitted_before = 0
         self._warned_compiled = WarnOnce()
@@ -289,7 +289,7 @@ class Probe:
 
     def _recover_if_interrupted(self) -> None:
         """Restore the state a root forward left when a BaseException (KeyboardInterrupt,
-        SystemExit, GeneratorExit) skipped its forward hook (:mod:`probe.forward_guard`): capture
+        SystemExit, GeneratorExit) skipped its forward hook (:mod:`probe.session.forward_guard`): capture
         mode popped, global module hooks removed, depth reset, so steps keep counting. Called
         where popping the mode is safe: outside any torch function."""
         if self._depth == 0 or not self._frame.stale():

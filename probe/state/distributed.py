@@ -1,6 +1,6 @@
 """Cross-rank reduction of probe's statistics under ``torch.distributed``.
 
-Each rank accumulates its own per-site state (:mod:`probe.stats.accumulator`). At a flush every
+Each rank accumulates its own per-site state (:mod:`probe.state.accumulator`). At a flush every
 rank of the group calls :meth:`Reducer.reduce`, which returns, on every rank, the state one
 process would have accumulated over the union of the ranks' batches:
 
@@ -39,12 +39,12 @@ import torch
 from torch import Tensor
 
 from probe.errors import ProbeError
-from probe.stats.accumulator import State, rank_reduction
+from probe.state.accumulator import State, rank_reduction
 
 __all__ = ["Reducer", "combine_ranks", "pool_moments", "resolve_group"]
 
 Entry = Tuple[Hashable, str, Tuple[int, ...]]
-Layout = List[Tuple[Any, str, Tuple[int, ...]]]  # as probe.stats.accumulator.Layout, keys typed loosely
+Layout = List[Tuple[Any, str, Tuple[int, ...]]]  # as probe.state.accumulator.Layout, keys typed loosely
 
 
 
@@ -207,7 +207,7 @@ class Reducer:
 
         Returns:
             ``(flat, layout, infos)``: the global state of the sites present on some rank, packed
-            on the host in float64 as :func:`probe.stats.accumulator.unpack` reads it, and the
+            on the host in float64 as :func:`probe.state.accumulator.unpack` reads it, and the
             global infos (``calls`` summed over ranks) of those sites.
         """
         while True:

@@ -19,7 +19,7 @@ Mechanics: SDPA takes one float scale, so ``s_h`` is applied as ``q * (s_h / s_r
 ``scale=s_ref`` (``s_ref`` the model's own scale: at initialisation the factor is exactly 1.0);
 the bias is passed as a float ``attn_mask`` combined with the model's mask, ``is_causal`` folded
 into it (SDPA forbids a mask together with ``is_causal``). The rewrite goes through
-:mod:`probe.overrides` (applied by :mod:`probe.capture.sdpa`), so a probe attached to the model records the learned scale
+:mod:`probe.experiment.overrides` (applied by :mod:`probe.capture.sdpa`), so a probe attached to the model records the learned scale
 as ``actual``. Under :func:`probe.scaling` the context's scale replaces ``s_h`` (the bias stays).
 
 Example:
@@ -46,8 +46,8 @@ from probe.capture.mode import SitesFilter, site_filter
 from probe.capture.sdpa import bind_sdpa
 from probe.errors import ProbeError
 from probe.capture.sites import SiteStack
-from probe.intervene import InterventionMode, modules_by_site
-from probe.overrides import ModuleOverride, push_module_override, reset_module_override
+from probe.experiment.scaling import InterventionMode, modules_by_site
+from probe.experiment.overrides import ModuleOverride, push_module_override, reset_module_override
 
 __all__ = ["SCALE_PARAM", "BIAS_PARAM", "Variant", "headwise", "scale_bias"]
 

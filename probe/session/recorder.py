@@ -3,7 +3,7 @@
 Front ends only produce :class:`~probe.call.AttentionCall` records; the recorder decides what is
 computed from them: it names the site (``name`` or ``name#n``), filters it (``sites=``),
 validates the record, computes the forward statistics at every scale into the running
-:class:`~probe.stats.accumulator.Accumulator`, keeps the per-site info, and registers the
+:class:`~probe.state.accumulator.Accumulator`, keeps the per-site info, and registers the
 backward hooks (:class:`~probe.capture.grads.BackwardHooks`) whose gradients it reduces to the
 backward statistics.
 """
@@ -22,9 +22,9 @@ from probe.capture.grads import BackwardHooks
 from probe.capture.mode import ModuleStack
 from probe.once import WarnOnce
 from probe.errors import ProbeError
-from probe.options import ExtraScale, scale_value
-from probe.recompute import Recompute
-from probe.stats.accumulator import GRAD_STEPS, Accumulator, State
+from probe.session.options import ExtraScale, scale_value
+from probe.session.recompute import Recompute
+from probe.state.accumulator import GRAD_STEPS, Accumulator, State
 from probe.stats.functional import forward_stats, sample_rows
 from probe.stats.grads import grad_logits_stats, head_sq
 from probe.stats.masks import simplify

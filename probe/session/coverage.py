@@ -1,7 +1,7 @@
 """``probe.coverage(model, *inputs)``: what probe sees of a model's attention, and what it misses.
 
 One forward (and, by default, one backward through ``torch.autograd.grad``, so no ``.grad`` of
-the model changes) runs with a probe and an :class:`probe.audit.Audit`. The audit finds every
+the model changes) runs with a probe and an :class:`probe.capture.audit.Audit`. The audit finds every
 attention independently of the capture front ends (every softmax over scores derived from a
 product of two activations, every SDPA / ``nn.MultiheadAttention`` call); the report lists,
 per attention module, whether probe captured it (and if not, why), under which front end, at
@@ -22,8 +22,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from probe.audit import Event
-from probe.audit_warning import FirstForwardAudit
+from probe.capture.audit import Event
+from probe.capture.audit_warning import FirstForwardAudit
 from probe.errors import ProbeError
 
 __all__ = ["Coverage", "Row", "coverage"]
@@ -132,7 +132,7 @@ def coverage(model: nn.Module, *args: Any, backward: bool = True, **kwargs: Any)
     Raises:
         ProbeError: ``model`` is not an ``nn.Module``, or its forward raised.
     """
-    from probe.profiler import Probe
+    from probe.session.profiler import Probe
 
     if not isinstance(model, nn.Module):
         raise ProbeError(f"expected `model` to be a torch.nn.Module, got {type(model).__name__}")

@@ -72,7 +72,7 @@ def _read_scalars(file: str) -> Dict[str, List[Tuple[int, float]]]:
         from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
     except ImportError as err:  # pragma: no cover - tensorboard is a dependency
         raise ProbeError(f"reading TensorBoard event files needs the tensorboard package: {err}") from err
-    from probe.eventfiles import check_event_files
+    from probe.ci.eventfiles import check_event_files
 
     check_event_files(file)  # a truncated or corrupted file is an error, not "fewer steps"
     acc = EventAccumulator(file, size_guidance={SCALARS: 0})  # 0: keep every event, do not sample

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import pytest
 
 if TYPE_CHECKING:  # pragma: no cover
-    from probe.profiler import Probe
+    from probe.session.profiler import Probe
     from probe.summary import Summary
-    from probe.thresholds import Threshold, Violation
+    from probe.ci.thresholds import Threshold, Violation
 
 __all__ = ["AttentionProbe", "attention_probe"]
 
@@ -127,7 +127,7 @@ class AttentionProbe:
         return _Block(self, model, rules, source, watch_kwargs)
 
     def _resolve(self, thresholds: Optional[Sequence[str]]) -> Tuple[List["Threshold"], str]:
-        from probe.thresholds import as_thresholds, load_thresholds
+        from probe.ci.thresholds import as_thresholds, load_thresholds
 
         if thresholds is not None:
             return as_thresholds(thresholds), "the attention_probe call"
@@ -143,7 +143,7 @@ class AttentionProbe:
     def _finish(self, summary: "Summary", rules: List["Threshold"], source: str) -> None:
         __tracebackhide__ = True
         from probe.errors import StabilityError
-        from probe.thresholds import evaluate, format_table
+        from probe.ci.thresholds import evaluate, format_table
 
         self.summaries.append(summary)
         judged = sorted(evaluate(summary, rules), key=lambda v: -v.excess)
@@ -186,7 +186,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     records = config.stash.get(_RECORDS, None)
     if not records:
         return
-    from probe.thresholds import format_value
+    from probe.ci.thresholds import format_value
 
     worst = sorted(records, key=lambda r: -r[1].excess)[:_SHOW]
     tr = terminalreporter

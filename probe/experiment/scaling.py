@@ -2,7 +2,7 @@
 
 An intervention changes what attention computes: :func:`scaling` overrides the scale for a
 ``with`` block, :mod:`probe.variants` installs learnable per-head scales and biases. Both only
-*register* an override in :mod:`probe.overrides` (a :class:`Scaling` is a scale rule) and make
+*register* an override in :mod:`probe.experiment.overrides` (a :class:`Scaling` is a scale rule) and make
 sure a capture front end applies it: the front ends look overrides up and apply them in their
 own files (``probe/capture/sdpa.py``, ``mha.py``, ``eager.py``).
 
@@ -12,7 +12,7 @@ records nothing, entered by the ``with`` block (or by a variant module's pre-hoo
 ordering pitfall this design avoids: probe's capture mode is entered at each sampled root
 forward, so it is the innermost TorchFunctionMode and sees an attention call *before* a mode
 entered earlier (``with probe.scaling(...)`` around the forward); the capturing front end
-applies the override itself and runs the changed call flagged (:func:`probe.overrides.applying`),
+applies the override itself and runs the changed call flagged (:func:`probe.experiment.overrides.applying`),
 so the outer mode passes it through. An intervention mode that sees a call *first* (a variant's,
 entered in the attention module's own pre-hook) leaves it to a recording capture mode below it
 (see :meth:`probe.capture.mode.CaptureMode.consults_overrides`). See docs/architecture.md.
@@ -34,7 +34,7 @@ from probe.capture.registry import default_frontends
 from probe.capture.sites import SiteStack, SitesFilter, site_filter, site_names
 from probe.errors import ProbeError
 from probe.once import WarnOnce
-from probe.overrides import ModuleOverride, active, push_module_override, push_rule, reset_module_override, reset_rule
+from probe.experiment.overrides import ModuleOverride, active, push_module_override, push_rule, reset_module_override, reset_rule
 
 __all__ = [
     "InterventionMode",
@@ -120,7 +120,7 @@ class Scaling:
         self._matched: Set[str] = set()
         self._left = WarnOnce()  # eager sites left unchanged (soft cap, unknown scale)
 
-    # the ScaleRule of probe.overrides: called by lookup, once per attention call while active
+    # the ScaleRule of probe.experiment.overrides: called by lookup, once per attention call while active
     def resolve(self, heads: int, d_k: int, like: Tensor) -> Tuple[Optional[str], Union[None, float, Tensor]]:
         """(site, scale) for the next attention call; site ``None``: not this model's call;
         scale ``None``: unchanged.

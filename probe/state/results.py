@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from probe.stats.accumulator import State, merge_states, reduction, unpack
-from probe.stats.finalize import finalize
+from probe.state.accumulator import State, merge_states, reduction, unpack
+from probe.state.finalize import finalize
 from probe.summary import Summary
 
 __all__ = ["Results", "pending_states", "step_ends"]
@@ -30,7 +30,7 @@ _Index = Dict[Tuple[str, str], Tuple[int, Tuple[int, ...]]]  # (site name, field
 
 class _Plan:
     """Where the values of one window layout go in the flat totals, grouped by how each combines
-    (:func:`probe.stats.accumulator.reduction`): a window folds in a dozen array operations
+    (:func:`probe.state.accumulator.reduction`): a window folds in a dozen array operations
     instead of a few tensor operations per field."""
 
     def __init__(self, fields: Sequence[Field], index: _Index) -> None:
@@ -59,7 +59,7 @@ class _Plan:
 
     def fold(self, totals: np.ndarray, window: np.ndarray) -> None:
         """``totals`` (earlier) combined with ``window`` (later) in place: element for element the
-        arithmetic of :func:`probe.stats.accumulator.combine`, Chan's formula for the moments."""
+        arithmetic of :func:`probe.state.accumulator.combine`, Chan's formula for the moments."""
         with np.errstate(all="ignore"):  # inf - inf, 0 * inf: NaN, as torch gives silently
             to, frm = self.flat["sum"]
             totals[to] += window[frm]
@@ -99,7 +99,7 @@ class Results:
 
     def add_states(self, states: Mapping[str, State], infos: Mapping[str, Info],
                    flat: Optional[np.ndarray] = None, fields: Optional[Sequence[Field]] = None) -> None:
-        """Fold per-site host states (by site name) into the totals (:class:`probe.sinks.writer.Window`).
+        """Fold per-site host states (by site name) into the totals (:class:`probe.state.writer.Window`).
 
         ``flat`` and ``fields``: the same values packed (float64, in ``fields`` order), when the
         caller has them; otherwise they are gathered from ``states``.

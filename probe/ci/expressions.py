@@ -1,8 +1,8 @@
 """Threshold expressions: ``[SITE_GLOB:]METRIC[@SCALE] OP VALUE``, parsed into :class:`Threshold`.
 
 A leaf module (it imports no other part of probe but the metric names and errors), so that the
-checks (:mod:`probe.thresholds`), the config files and ``probe.watch``'s scale-name validation
-share one grammar. Public names are re-exported by :mod:`probe.thresholds`.
+checks (:mod:`probe.ci.thresholds`), the config files and ``probe.watch``'s scale-name validation
+share one grammar. Public names are re-exported by :mod:`probe.ci.thresholds`.
 """
 
 from __future__ import annotations

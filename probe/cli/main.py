@@ -1,6 +1,6 @@
 """The ``probe`` command line (also ``python -m probe``): the parser, ``main`` and the demo-model
 commands (``probe demo``, ``probe compare``); ``probe check`` / ``probe report`` live in
-:mod:`probe.cli_check`, the exit codes in :mod:`probe.exit_codes`."""
+:mod:`probe.ci.check`, the exit codes in :mod:`probe.ci.exit_codes`."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import os
 import sys
 from typing import Any, List, Optional, TextIO
 
-from probe.cli_check import int_at_least, positive_int
-from probe.cli_check import add_commands as add_check_commands
-from probe.exit_codes import ExitCode
+from probe.ci.check import int_at_least, positive_int
+from probe.ci.check import add_commands as add_check_commands
+from probe.ci.exit_codes import ExitCode
 
 __all__ = ["ExitCode", "build_parser", "main"]
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from probe.demo import run_demo
+    from probe.cli.demo import run_demo
 
     run_demo(steps=args.steps, logdir=args.logdir, seed=args.seed)
     return ExitCode.OK
@@ -38,8 +38,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     import torch
 
-    from probe.comparison import compare
-    from probe.demo import DemoConfig, TinyTransformer, copy_batch, copy_loss
+    from probe.experiment.compare import compare
+    from probe.cli.demo import DemoConfig, TinyTransformer, copy_batch, copy_loss
     from probe.errors import ProbeError
 
     config = DemoConfig(seed=args.seed, batch=args.batch)
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd.add_argument("--seed", type=int, default=0)
     cmd.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     cmd.set_defaults(func=_cmd_compare)
-    from probe.coverage import add_commands as add_coverage_commands
+    from probe.session.coverage import add_commands as add_coverage_commands
 
     add_coverage_commands(sub)  # probe coverage
     return parser

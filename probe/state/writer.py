@@ -37,10 +37,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from probe.results import Results
+from probe.state.results import Results
 from probe.sinks.base import Sink, SinkGuard
-from probe.stats.accumulator import State, merge_states, unpack
-from probe.stats.finalize import finalize
+from probe.state.accumulator import State, merge_states, unpack
+from probe.state.finalize import finalize
 from probe.summary import Summary
 
 __all__ = ["Window", "Writer", "to_host"]
@@ -52,7 +52,7 @@ class Window:
     Args:
         step: the last step of the window (the step sinks write it at).
         steps: the probed steps it covers.
-        flat: the packed state (:meth:`probe.stats.accumulator.Accumulator.pack`), on the host or
+        flat: the packed state (:meth:`probe.state.accumulator.Accumulator.pack`), on the host or
             being copied there.
         event: a CUDA event to wait on before reading ``flat`` (None when it is ready).
         layout: the pack layout.

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 import probe
 from probe.names import printable
 from probe.sinks.base import BaseSink
-from probe.stats.finalize import head_reduce
+from probe.metrics import head_reduce
 
 __all__ = ["DemoConfig", "TinyTransformer", "copy_batch", "format_table", "run_demo", "train"]
 

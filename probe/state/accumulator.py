@@ -29,7 +29,7 @@ __all__ = ["GRAD_STEPS", "Accumulator", "State", "combine", "merge_states", "ran
 
 #: The count of probed steps whose backward reached a site (added once per site and step by the
 #: recorder): summed over windows; across ranks the max, since ranks share step numbers. The
-#: ``grad_*`` metrics are root mean squares over these steps (probe.stats.finalize).
+#: ``grad_*`` metrics are root mean squares over these steps (probe.state.finalize).
 GRAD_STEPS = "grad_steps"
 
 State = Dict[str, Tensor]

@@ -8,7 +8,7 @@ import os
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 from probe.errors import ProbeError
-from probe.threshold_expr import SCALE_NAME
+from probe.ci.expressions import SCALE_NAME
 
 __all__ = ["BUILTIN_SCALES", "DEFAULT_ROWS", "ExtraScale", "check_int", "check_scales", "check_seconds", "scale_value", "tensorboard_sink"]
 
@@ -79,7 +79,7 @@ def check_seconds(name: str, value: Any) -> float:
 def tensorboard_sink(logdir: Any, per_head: bool) -> Tuple[Any, Optional[str]]:
     """The TensorBoard sink for ``logdir`` (a path or a ``SummaryWriter``) and the directory
     ``probe_summary.json`` goes to (None for a writer that does not say). A path that holds an
-    earlier run is replaced by a fresh one (:func:`probe.runs.fresh_logdir`)."""
+    earlier run is replaced by a fresh one (:func:`probe.ci.runs.fresh_logdir`)."""
     from probe.sinks.tensorboard import TensorBoardSink
 
     if hasattr(logdir, "add_scalar"):  # an existing SummaryWriter
@@ -92,7 +92,7 @@ def tensorboard_sink(logdir: Any, per_head: bool) -> Tuple[Any, Optional[str]]:
                          "(use logdir=None to keep the statistics in memory only)")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ProbeError(f"expected `logdir` to be a directory, got a file: {path!r}")
-    from probe.runs import fresh_logdir
+    from probe.ci.runs import fresh_logdir
 
     path = fresh_logdir(logdir if isinstance(logdir, str) else path)  # an earlier run there: path-2, with a warning
     return TensorBoardSink(path, per_head), path

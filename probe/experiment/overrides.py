@@ -50,7 +50,7 @@ NewScale = Union[None, float, Tensor]
 
 
 class ScaleRule(Protocol):
-    """A registered scaling context (:class:`probe.intervene.Scaling`)."""
+    """A registered scaling context (:class:`probe.experiment.scaling.Scaling`)."""
 
     def resolve(self, heads: int, d_k: int, like: Tensor) -> Tuple[Optional[str], NewScale]:
         """(site, scale) for the next attention call; site ``None``: not this rule's model;

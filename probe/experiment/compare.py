@@ -1,4 +1,4 @@
-"""``probe.compare`` (module ``probe.comparison``): one forward and backward per scale on the same batch, side by side.
+"""``probe.compare`` (module ``probe.experiment.compare``): one forward and backward per scale on the same batch, side by side.
 
 For each scale the model runs ``loss_fn(model, batch)`` and its backward under a fresh probe
 and, unless the scale is ``"actual"``, under :func:`probe.scaling`. The same RNG state starts
@@ -27,8 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from probe.errors import ProbeError
-from probe.intervene import ScaleSpec, SitesFilter, _parse_spec, modules_by_site, scaling
-from probe.profiler import watch
+from probe.experiment.scaling import ScaleSpec, SitesFilter, _parse_spec, modules_by_site, scaling
+from probe.session.profiler import watch
 from probe.summary import Summary
 
 __all__ = ["COLUMNS", "Comparison", "compare"]

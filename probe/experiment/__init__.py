@@ -1,0 +1,1 @@
+"""Experiments on the scale: overrides (``probe.scaling``), learnable variants, comparisons."""
