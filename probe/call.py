@@ -60,6 +60,13 @@ class AttentionCall:
         head_dim: ``d_k`` when it is not ``q.shape[-1]``: heads mixed before the softmax (talking
             heads) are recorded as ``q'_g = [M_1g·q_1, ..., M_Hg·q_H]`` and ``k'_g = [k_1, ...,
             k_H]`` (so that ``q'_g·k'_g = Σ_h M_hg·q_h·k_h``), whose last dim is ``H·d``.
+        scale_unknown: why the model's scale cannot be attributed, in words (an op probe does not
+            model touched q or k between their projection and the product, or the scores before the
+            softmax); ``None`` when it is known. When set, only ``actual`` is measured and nothing
+            is reported at a counterfactual scale: ``scale`` is then either the multiplier that
+            reproduces the model's own logits from ``q`` and ``k`` exactly (``q`` and ``k`` as they
+            entered the product; its value is no claim about the model's scale) or ``None`` with
+            ``logits`` set. A record with ``scale is None`` is unknown too (:attr:`scale_known`).
     """
 
     q: Tensor
@@ -78,6 +85,12 @@ class AttentionCall:
     grad_of: Optional[Mapping[str, Tuple[Tensor, Callable[[Tensor], Tensor]]]] = None
     scale_from: Optional[str] = None
     head_dim: Optional[int] = None
+    scale_unknown: Optional[str] = None
+
+    @property
+    def scale_known(self) -> bool:
+        """Whether ``scale`` is the model's own scale, so that every scale can be reported."""
+        return self.scale is not None and self.scale_unknown is None
 
     @property
     def heads(self) -> int:
