@@ -52,6 +52,8 @@ class SiteInfo:
         grad_kv_heads: values of ``grad_k``/``grad_v`` (kv heads), once a backward was seen.
         scale_from: where the scale came from (a call's ``scale=``, SDPA's default, a factor on q
             or k before the product: see ``AttentionCall.scale_from``).
+        scale_unknown: why the scale could not be attributed (``AttentionCall.scale_unknown``):
+            the site is measured at ``actual`` only and ``scale`` is ``None``.
     """
 
     kind: str
@@ -65,12 +67,13 @@ class SiteInfo:
     sampled: Optional[List[int]] = None
     grad_kv_heads: Optional[int] = None
     scale_from: Optional[str] = None
+    scale_unknown: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON form (optional fields only when set)."""
         out: Dict[str, Any] = {"kind": self.kind, "heads": self.heads, "kv_heads": self.kv_heads,
                                "d_k": self.d_k, "scale": self.scale, "calls": self.calls}
-        for name in ("softcap", "rows", "sampled", "grad_kv_heads", "scale_from"):
+        for name in ("softcap", "rows", "sampled", "grad_kv_heads", "scale_from", "scale_unknown"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -82,6 +85,8 @@ def grad_scales(call: AttentionCall, scales: Mapping[str, Optional[Scale]]) -> D
     ``actual`` only (from the call's own logits) when it is not."""
     if call.scale is None:
         return {"actual": None} if call.logits is not None else {}
+    if call.scale_unknown is not None:
+        return {"actual": scales["actual"]}
     return {name: value for name, value in scales.items() if value is not None}
 
 
@@ -195,6 +200,8 @@ class Recorder:
 
     def scales_for(self, call: AttentionCall) -> Dict[str, Scale]:
         scales: Dict[str, Scale] = {"actual": call.scale, "unscaled": 1.0, "standard": call.standard_scale}
+        if call.scale_unknown is not None:  # the logits are exact, their attribution is not: `actual` only
+            return {"actual": call.scale}
         for name, value in self.extra_scales.items():
             if not callable(value):
                 scales[name] = value
@@ -242,6 +249,8 @@ class Recorder:
             if call.logits is not None:  # an eager softmax whose scale is unknown: `actual` only
                 fields = self._unknown_scale_stats(call)
             else:
+                if call.scale_unknown is not None:
+                    self._warn_unknown(call)
                 # a float mask as a boolean one, HF's (B, 1, L, S) mask as causal + key padding:
                 # the statistics take their fast paths, and the backward's record holds the small
                 # key mask instead of the model's L × S one (probe.stats.masks)
@@ -283,16 +292,23 @@ class Recorder:
                          "in *_se; logit_var, logit_max, nonfinite exact")
         if not isinstance(call.scale, Tensor):
             info.scale = None if call.scale is None else float(call.scale)
+        if call.scale_unknown is not None:
+            info.scale, info.scale_unknown = None, call.scale_unknown
         info.calls += 1
+
+    def _warn_unknown(self, call: AttentionCall) -> None:
+        why = f" ({call.scale_unknown})" if call.scale_unknown else ""
+        source = ", from the softmax input" if call.scale is None else ""
+        self._warn_unknown_scale(
+            call.site, f"probe: the attention scale at site {call.site!r} could not be recovered from its "
+            f"ops{why}; it is reported at `actual` only{source} (info scale = None)",
+        )
 
     def _unknown_scale_stats(self, call: AttentionCall) -> State:
         """Metrics at `actual` from an eager call's softmax input; warns once per site."""
         from probe.stats.eager_logits import logits_stats
 
-        self._warn_unknown_scale(
-            call.site, f"probe: the attention scale at site {call.site!r} could not be recovered from its eager "
-            "ops; it is reported at `actual` only, from the softmax input (info scale = None)",
-        )
+        self._warn_unknown(call)
         logits = call.logits
         return {} if logits is None else logits_stats(logits, self.saturation, self.memory_budget)
 

@@ -424,3 +424,39 @@ def test_transposed_scores_are_reported_with_unknown_scale():
     z = model.z.double()
     np.testing.assert_allclose(s.value("root", "logit_max"), z.amax((0, 2, 3)).numpy(), rtol=1e-6)
     np.testing.assert_allclose(s.value("root", "logit_var"), z.var((0, 2, 3), unbiased=False).numpy(), rtol=1e-5)
+
+
+def test_a_record_whose_scale_is_unknown_is_measured_at_actual_only(monkeypatch):
+    """``AttentionCall.scale_unknown``: the logits ``scale · q·kᵀ`` are exact, their attribution is
+    not: `actual` against float64, no counterfactual scale, info scale None with the reason, one
+    warning naming the site and the reason."""
+    import dataclasses
+
+    from probe.capture import registry
+    from probe.capture.sdpa import SDPAFrontEnd
+
+    class Unattributed(SDPAFrontEnd):
+        def handle(self, func, args, kwargs, emit):
+            inner = None if emit is None else (lambda call: emit(dataclasses.replace(call, scale_unknown="a test")))
+            return super().handle(func, args, kwargs, inner)
+
+    monkeypatch.setattr(registry, "FRONT_ENDS", (Unattributed,) + registry.FRONT_ENDS[1:])
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+
+    class Attend(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, scale=0.7)
+
+    model = Attend()
+    with pytest.warns(UserWarning, match=r"site 'root' could not be recovered from its ops \(a test\)"):
+        with probe.watch(model) as p:
+            model(q, k, v)
+    s = p.summary()
+    info = s.info("root")
+    assert info["scale"] is None and info["scale_unknown"] == "a test"
+    ref = reference_metrics(q, k, 0.7, torch.ones(B, H, L, L, dtype=torch.bool))
+    for metric in ("logit_var", "entropy", "max_prob"):
+        np.testing.assert_allclose(s.value("root", metric), ref[metric], rtol=1e-5, atol=1e-7)
+    with pytest.raises(probe.ProbeError):
+        s.value("root", "entropy", "unscaled")
