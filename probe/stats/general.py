@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from probe.call import Scale
+from probe.stats.pool import chan_pair
 from probe.stats.chunks import MASK_BIAS, all_finite
 
 __all__ = ["KEEP_BYTES", "Scratch", "chunk_masks", "combine_moments", "general_reduce", "general_rows",
@@ -57,15 +58,8 @@ def logit_moments(R: Tensor, valid: Optional[Tensor]) -> Tensor:
 
 
 def combine_moments(a: Tensor, b: Tensor) -> Tensor:
-    """Exactly combine two ``(3, ...)`` stacks of (count, mean, M2) (Chan et al.)."""
-    na, ma, m2a = a[0], a[1], a[2]
-    nb, mb, m2b = b[0], b[1], b[2]
-    n = na + nb
-    safe = n.clamp(min=1)
-    delta = mb - ma
-    mean = ma + delta * (nb / safe)
-    m2 = m2a + m2b + delta.square() * (na * nb / safe)
-    return torch.stack([n, mean, m2])
+    """Exactly combine two ``(3, ...)`` stacks of (count, mean, M2) (:func:`probe.stats.pool.chan_pair`)."""
+    return torch.stack(chan_pair(a[0], a[1], a[2], b[0], b[1], b[2]))
 
 
 def _scale_view(scale: Scale, heads: int, like: Tensor) -> Scale:
