@@ -21,7 +21,7 @@ from torch import nn
 import probe
 from probe.capture.mode import site_names
 from probe.state.distributed import combine_ranks, resolve_group
-from probe.stats.functional import combine_moments
+from probe.stats.pool import chan_pair
 from tests import distributed_worker as worker
 from tests.helpers import free_port
 
@@ -195,7 +195,8 @@ def test_combine_ranks_matches_float64_reference():
     np.testing.assert_allclose(got[0].numpy(), union.shape[0])
     np.testing.assert_allclose(got[1].numpy(), union.mean(0), rtol=1e-12)
     np.testing.assert_allclose((got[2] / got[0]).numpy(), union.var(0), rtol=1e-12)
-    chained = combine_moments(combine_moments(moments[0], moments[1]), moments[2])
+    pair = lambda a, b: torch.stack(chan_pair(a[0], a[1], a[2], b[0], b[1], b[2]))  # noqa: E731
+    chained = pair(pair(moments[0], moments[1]), moments[2])
     np.testing.assert_allclose(got.numpy(), chained.numpy(), rtol=1e-12)
     maxima = torch.tensor([[1.0, -5.0], [-float("inf"), -float("inf")], [0.5, -7.0]], dtype=torch.float64)
     np.testing.assert_array_equal(combine_ranks("logit_max@actual", maxima, torch.tensor([True, False, True])).numpy(), [1.0, -5.0])

@@ -1,12 +1,11 @@
-"""Running per-site state: how each field combines across calls, steps and ranks.
+"""Running per-site state on the tensors' device, packed into one tensor for a flush.
 
-A site's state is a dict of named tensors with one value per head, ``{field}@{scale}``. How a
-field combines is declared once, by its metric in the catalogue
-(:func:`probe.metrics.field_reduction`), so the device accumulator, the host totals and the
-cross-rank reduction share one rule:
+A site's state is a dict of named tensors with one value per head, ``{field}@{scale}``; fields
+combine as :mod:`probe.state.combine` declares (from the metric catalogue), so the device
+accumulator, the host totals and the cross-rank reduction share one rule:
 
 ==================  ==========  ===============================================
-field               reduction   content
+field               kind        content
 ==================  ==========  ===============================================
 ``logit@{s}``       moments     stack of (count, mean, M2) of σR over valid logits
 ``logit_max@{s}``   max         max of σR
@@ -22,49 +21,12 @@ from typing import Dict, Hashable, List, Tuple
 import torch
 from torch import Tensor
 
-from probe.metrics import field_reduction
-from probe.stats.functional import combine_moments
+from probe.state.combine import GRAD_STEPS, Entry, State, merge_states
 
-__all__ = ["GRAD_STEPS", "Accumulator", "State", "combine", "merge_states", "rank_reduction", "reduction", "unpack"]
+__all__ = ["GRAD_STEPS", "Accumulator", "Entries", "State", "unpack"]
 
-#: The count of probed steps whose backward reached a site (added once per site and step by the
-#: recorder): summed over windows; across ranks the max, since ranks share step numbers. The
-#: ``grad_*`` metrics are root mean squares over these steps (probe.state.finalize).
-GRAD_STEPS = "grad_steps"
-
-State = Dict[str, Tensor]
-Layout = List[Tuple[Hashable, str, Tuple[int, ...]]]
-
-
-def reduction(field: str) -> str:
-    """The reduction of a field (:func:`probe.metrics.field_reduction`): ``moments``, ``max``,
-    ``last`` or ``sum``."""
-    return field_reduction(field)
-
-
-def rank_reduction(field: str) -> str:
-    """How a field combines across ranks: as across calls and steps, except :data:`GRAD_STEPS`
-    (max: every rank counts the same shared steps)."""
-    return "max" if field == GRAD_STEPS else reduction(field)
-
-
-def combine(field: str, a: Tensor, b: Tensor) -> Tensor:
-    """Combine two values of ``field`` (``a`` earlier, ``b`` later)."""
-    kind = reduction(field)
-    if kind == "moments":
-        return combine_moments(a, b)
-    if kind == "max":
-        return torch.maximum(a, b)
-    if kind == "last":
-        return b
-    return a + b
-
-
-def merge_states(into: State, new: State) -> None:
-    """Fold ``new`` into ``into`` in place (fields absent from ``into`` are adopted)."""
-    for field, value in new.items():
-        old = into.get(field)
-        into[field] = value if old is None else combine(field, old, value.to(old.dtype))
+#: What :meth:`Accumulator.pack` packed, in order: ``(site key, field, shape)``.
+Entries = List[Entry]
 
 
 class Accumulator:
@@ -82,10 +44,10 @@ class Accumulator:
     def add(self, key: Hashable, fields: State) -> None:
         merge_states(self.states.setdefault(key, {}), fields)
 
-    def pack(self) -> Tuple[Tensor, Layout]:
+    def pack(self) -> Tuple[Tensor, Entries]:
         """Flatten every field of every site into one tensor (the one device→host transfer)."""
         parts: List[Tensor] = []
-        layout: Layout = []
+        layout: Entries = []
         dtype = None
         for key, state in self.states.items():
             for field, value in state.items():
@@ -100,7 +62,7 @@ class Accumulator:
         self.states = {}
 
 
-def unpack(flat: Tensor, layout: Layout) -> Dict[Hashable, State]:
+def unpack(flat: Tensor, layout: Entries) -> Dict[Hashable, State]:
     """Inverse of :meth:`Accumulator.pack` (on whatever device ``flat`` is)."""
     out: Dict[Hashable, State] = {}
     offset = 0

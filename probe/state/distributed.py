@@ -39,12 +39,11 @@ import torch
 from torch import Tensor
 
 from probe.errors import ProbeError
-from probe.state.accumulator import State, rank_reduction
+from probe.state.accumulator import Entries
+from probe.state.combine import Entry, Layout, State, kind
 
-__all__ = ["Reducer", "combine_ranks", "pool_moments", "resolve_group"]
+__all__ = ["Reducer", "combine_ranks", "resolve_group"]
 
-Entry = Tuple[Hashable, str, Tuple[int, ...]]
-Layout = List[Tuple[Any, str, Tuple[int, ...]]]  # as probe.state.accumulator.Layout, keys typed loosely
 
 
 
@@ -113,7 +112,8 @@ class Reducer:
         self.keys: List[Hashable] = []
         self._key_index: Dict[Hashable, int] = {}
         self.infos: Dict[Hashable, Dict[str, Any]] = {}
-        self._plan_cache: Optional[_Plan] = None
+        self._layout: Optional[Layout] = None
+        self._identity: Dict[torch.device, Tensor] = {}
         self.collectives = 0  # collectives issued so far (for tests and the cost table in the docs)
         self._warned_steps = False
 
@@ -167,8 +167,7 @@ class Reducer:
         # Pack where the state lives (the model's device) and move once: one transfer, not one per
         # field. Entries this rank lacks are slices of a cached identity tensor: no allocation.
         device = next((v.device for state in states.values() for v in state.values()), self.device)
-        plan = self._plan()
-        identity = plan.identity_on(device)
+        identity = self._identity_on(device)
         parts: List[Tensor] = []
         present = [0.0] * len(self.entries)
         offset = 0
@@ -197,7 +196,7 @@ class Reducer:
 
     def reduce(
         self, states: Mapping[Any, State], infos: Mapping[Any, Dict[str, Any]], step: int
-    ) -> Tuple[Tensor, Layout, Dict[Any, Dict[str, Any]]]:
+    ) -> Tuple[Tensor, Entries, Dict[Any, Dict[str, Any]]]:
         """Reduce this rank's state with every other rank's (a collective; see the module doc).
 
         Args:
@@ -228,103 +227,45 @@ class Reducer:
         return self._combine(host)
 
     # -- combine (host, float64) -------------------------------------------------------------
-    def _plan(self) -> "_Plan":
-        if self._plan_cache is None or self._plan_cache.entries != len(self.entries):
-            self._plan_cache = _Plan(self.entries)
-        return self._plan_cache
+    def _plan(self) -> Layout:
+        """The global layout's :class:`~probe.state.combine.Layout` (cross-rank kinds), cached."""
+        if self._layout is None or len(self._layout.entries) != len(self.entries):
+            self._layout = Layout(self.entries, across="ranks")
+            self._identity = {}
+        return self._layout
 
-    def _combine(self, host: Tensor) -> Tuple[Tensor, Layout, Dict[Any, Dict[str, Any]]]:
-        """Vectorized over the layout: one reduction per kind, not one per field (a model has
-        hundreds of fields; per-field tensor ops would dominate the flush)."""
-        plan = self._plan()
-        total, entries = plan.total, len(self.entries)
+    def _identity_on(self, device: torch.device) -> Tensor:
+        """The packed identity (0 for sums and moments, -inf for maxima) on ``device``, cached."""
+        layout = self._plan()
+        if device not in self._identity:
+            self._identity[device] = torch.from_numpy(layout.identity()).to(device)
+        return self._identity[device]
+
+    def _combine(self, host: Tensor) -> Tuple[Tensor, Entries, Dict[Any, Dict[str, Any]]]:
+        """Vectorized over the layout (:meth:`probe.state.combine.Layout.reduce`): one reduction
+        per kind, not one per field (a model has hundreds of fields)."""
+        layout = self._plan()
+        total, entries = layout.size, len(self.entries)
         presence = host[:, total : total + entries] > 0
         calls = host[:, total + entries : total + entries + len(self.keys)].sum(0)
-        values = host[:, :total]
-        out = torch.empty(total, dtype=torch.float64)
-        out[plan.sum_pos] = values[:, plan.sum_pos].sum(0)
-        out[plan.max_pos] = values[:, plan.max_pos].amax(0)
-        if plan.last_pos.numel():
-            here = presence[:, plan.entry_of_pos[plan.last_pos]]
-            ranks = torch.arange(self.world).unsqueeze(1).expand_as(here)
-            last = torch.where(here, ranks, 0).amax(0)  # highest present rank (absent: unused)
-            out[plan.last_pos] = values[:, plan.last_pos].gather(0, last.unsqueeze(0)).squeeze(0)
-        n, mean, m2 = (values[:, pos] for pos in plan.moment_pos)
-        out[plan.moment_pos[0]], out[plan.moment_pos[1]], out[plan.moment_pos[2]] = pool_moments(n, mean, m2)
+        out = layout.reduce(host[:, :total], presence)
         kept = presence.any(0)
-        flat = out[kept[plan.entry_of_pos]]
-        layout: Layout = [entry for entry, keep in zip(self.entries, kept.tolist()) if keep]
-        keys = {key for key, _, _ in layout}
+        flat = out[kept[torch.from_numpy(layout.owner)]]
+        packed: Entries = [entry for entry, keep in zip(self.entries, kept.tolist()) if keep]
+        keys = {key for key, _, _ in packed}
         infos = {
             key: dict(self.infos.get(key, {}), calls=int(calls[self._key_index[key]]))
             for key in self.keys
             if key in keys
         }
-        return flat, layout, infos
-
-
-class _Plan:
-    """Index tensors of one global layout: where each kind of field sits in the packed tensor."""
-
-    def __init__(self, layout: List[Entry]) -> None:
-        self.entries = len(layout)
-        owner: List[int] = []
-        kinds: Dict[str, List[int]] = {"sum": [], "max": [], "last": []}
-        moments: List[List[int]] = [[], [], []]
-        offset = 0
-        for i, (_, field, shape) in enumerate(layout):
-            size = _numel(shape)
-            owner += [i] * size
-            kind = rank_reduction(field)
-            if kind == "moments":
-                per = size // 3  # (3, heads): rows n, mean, M2
-                for row in range(3):
-                    moments[row] += range(offset + row * per, offset + (row + 1) * per)
-            else:
-                kinds[kind] += range(offset, offset + size)
-            offset += size
-        self.total = offset
-        self.entry_of_pos = torch.tensor(owner, dtype=torch.long)
-        self.sum_pos, self.max_pos, self.last_pos = (torch.tensor(kinds[k], dtype=torch.long) for k in ("sum", "max", "last"))
-        self.moment_pos = tuple(torch.tensor(rows, dtype=torch.long) for rows in moments)
-        self._identity: Dict[torch.device, Tensor] = {}
-        identity = torch.zeros(self.total, dtype=torch.float64)
-        identity[self.max_pos] = -math.inf
-        self.identity = identity
-
-    def identity_on(self, device: torch.device) -> Tensor:
-        """The packed identity (0 for sums and moments, -inf for maxima) on ``device``, cached."""
-        if device not in self._identity:
-            self._identity[device] = self.identity.to(device)
-        return self._identity[device]
-
-
-def pool_moments(n: Tensor, mean: Tensor, m2: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """Pool (count, mean, M2) over dim 0 exactly: the k-way form of Chan's formula.
-
-    ``n = Σ nᵢ``, ``mean = Σ nᵢ·meanᵢ / n``, ``M2 = Σ M2ᵢ + Σ nᵢ·(meanᵢ - mean)²``. Every added
-    term is non-negative, so there is no cancellation (unlike ``Σx² - n·mean²``); parts with
-    ``nᵢ = 0`` contribute nothing, whatever their mean.
-    """
-    total = n.sum(0)
-    pooled = torch.where(n > 0, n * mean, 0.0).sum(0) / total.clamp(min=1)
-    spread = torch.where(n > 0, n * (mean - pooled).square(), 0.0).sum(0)
-    return total, pooled, torch.where(n > 0, m2, 0.0).sum(0) + spread
+        return flat, packed, infos
 
 
 def combine_ranks(field: str, values: Tensor, present: Tensor) -> Tensor:
-    """Reduce one field's per-rank values ``(world, *shape)`` over the ranks where ``present``.
-
-    Sums add, maxima take the maximum, ``last`` takes the highest present rank, and moments
-    ``(n, mean, M2)`` pool exactly: ``M2 = Σ M2ᵢ + Σ nᵢ (meanᵢ - mean)²`` with the pooled mean.
-    """
-    kind = rank_reduction(field)
-    values = values[present]
-    if kind == "sum":
-        return values.sum(0)
-    if kind == "max":
-        return values.amax(0)
-    if kind == "last":
-        return values[-1]
-    return torch.stack(pool_moments(values[:, 0], values[:, 1], values[:, 2]))
-
+    """Reduce one field's per-rank values ``(world, *shape)`` over the ranks where ``present``
+    (:meth:`probe.state.combine.Layout.reduce` on a layout of that one field)."""
+    layout = Layout([(None, field, tuple(values.shape[1:]))], across="ranks")
+    parts = values.reshape(values.shape[0], -1).clone()
+    absent = ~present.reshape(-1)
+    parts[absent] = torch.from_numpy(layout.identity()).to(parts)
+    return layout.reduce(parts, present.reshape(-1, 1)).reshape(values.shape[1:])

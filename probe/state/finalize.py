@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from probe.metrics import METRIC_ORDER, field_spec
-from probe.state.accumulator import GRAD_STEPS, State
+from probe.state.combine import GRAD_STEPS, State
 
 __all__ = ["finalize"]
 

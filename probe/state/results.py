@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from probe.state.accumulator import State, merge_states, reduction, unpack
+from probe.state.accumulator import unpack
+from probe.state.combine import Layout, State, merge_states
 from probe.state.finalize import finalize
 from probe.summary import Summary
 
@@ -28,62 +29,22 @@ Field = Tuple[str, str, Tuple[int, ...]]  # (site name, state field, shape)
 _Index = Dict[Tuple[str, str], Tuple[int, Tuple[int, ...]]]  # (site name, field) -> (offset, shape)
 
 
-class _Plan:
-    """Where the values of one window layout go in the flat totals, grouped by how each combines
-    (:func:`probe.state.accumulator.reduction`): a window folds in a dozen array operations
-    instead of a few tensor operations per field."""
-
-    def __init__(self, fields: Sequence[Field], index: _Index) -> None:
-        flat: Dict[str, Tuple[List[int], List[int]]] = {k: ([], []) for k in ("sum", "max", "last")}
-        moments: List[Tuple[List[int], List[int]]] = [([], []) for _ in range(3)]  # count, mean, M2
-        offset = 0
-        for name, field, shape in fields:
-            size = math.prod(shape)
-            at, have = index[(name, field)]
-            if have != shape:
-                raise ValueError(f"site {name!r} field {field!r}: shape {shape} in this window, {have} in the totals")
-            kind = reduction(field)
-            if kind == "moments":  # a (3, ...) stack: the rows are consecutive thirds
-                third = size // 3
-                for row, (to, frm) in enumerate(moments):
-                    to.extend(range(at + row * third, at + (row + 1) * third))
-                    frm.extend(range(offset + row * third, offset + (row + 1) * third))
-            else:
-                to, frm = flat[kind]
-                to.extend(range(at, at + size))
-                frm.extend(range(offset, offset + size))
-            offset += size
-        self.size = offset
-        self.flat = {k: (np.asarray(to, dtype=np.intp), np.asarray(frm, dtype=np.intp)) for k, (to, frm) in flat.items()}
-        self.moments = [(np.asarray(to, dtype=np.intp), np.asarray(frm, dtype=np.intp)) for to, frm in moments]
-
-    def fold(self, totals: np.ndarray, window: np.ndarray) -> None:
-        """``totals`` (earlier) combined with ``window`` (later) in place: element for element the
-        arithmetic of :func:`probe.state.accumulator.combine`, Chan's formula for the moments."""
-        with np.errstate(all="ignore"):  # inf - inf, 0 * inf: NaN, as torch gives silently
-            to, frm = self.flat["sum"]
-            totals[to] += window[frm]
-            to, frm = self.flat["max"]
-            a, b = totals[to], window[frm]
-            totals[to] = np.where((b > a) | np.isnan(b), b, a)  # torch.maximum: NaN wins
-            to, frm = self.flat["last"]
-            totals[to] = window[frm]
-            (n_to, n_frm), (mean_to, mean_frm), (m2_to, m2_frm) = self.moments
-            na, ma, m2a = totals[n_to], totals[mean_to], totals[m2_to]
-            nb, mb, m2b = window[n_frm], window[mean_frm], window[m2_frm]
-            n = na + nb
-            safe = np.maximum(n, 1)
-            delta = mb - ma
-            totals[n_to] = n
-            totals[mean_to] = ma + delta * (nb / safe)
-            totals[m2_to] = m2a + m2b + np.square(delta) * (na * nb / safe)
+def _window_plan(fields: Sequence[Field], index: _Index) -> Tuple[Layout, np.ndarray]:
+    """The window's layout and, for each of its positions, the position in the totals it folds into."""
+    into: List[np.ndarray] = []
+    for name, field, shape in fields:
+        at, have = index[(name, field)]
+        if have != shape:
+            raise ValueError(f"site {name!r} field {field!r}: shape {shape} in this window, {have} in the totals")
+        into.append(np.arange(at, at + math.prod(shape), dtype=np.intp))
+    return Layout(fields), (np.concatenate(into) if into else np.zeros(0, dtype=np.intp))
 
 
 class Results:
     """Run totals per site name, safe to update from the worker while the training thread reads.
 
     The totals live in one float64 array (``_flat``, each site's fields at ``_index``); a window
-    with a layout seen before folds in by a cached :class:`_Plan`.
+    folds in through its :class:`~probe.state.combine.Layout`, cached per window layout.
     """
 
     def __init__(self) -> None:
@@ -91,7 +52,7 @@ class Results:
         self._flat = np.zeros(0)
         self._index: _Index = {}
         self._infos: Dict[str, Info] = {}
-        self._plans: Dict[Tuple[Field, ...], _Plan] = {}
+        self._plans: Dict[Tuple[Field, ...], Tuple[Layout, np.ndarray]] = {}
 
     def __bool__(self) -> bool:
         with self._lock:
@@ -118,14 +79,15 @@ class Results:
                     adopted = set((name, field) for name, field, _ in new)
                     old = [f for f in fields if (f[0], f[1]) not in adopted]
                     self._adopt(flat, fields, adopted)
-                    plan = _Plan(old, self._index)
+                    plan = _window_plan(old, self._index)
                     window = _select(flat, fields, old)
                 else:
-                    plan = self._plans[key] = _Plan(fields, self._index)
+                    plan = self._plans[key] = _window_plan(fields, self._index)
                     window = flat
             else:
                 window = flat
-            plan.fold(self._flat, window)
+            layout, into = plan
+            layout.fold(self._flat, window, into=into)
             for name in states:
                 self._infos[name] = dict(infos[name])
 

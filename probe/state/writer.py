@@ -39,7 +39,8 @@ from torch import Tensor
 
 from probe.state.results import Results
 from probe.sinks.base import Sink, SinkGuard
-from probe.state.accumulator import State, merge_states, unpack
+from probe.state.accumulator import unpack
+from probe.state.combine import State, merge_states
 from probe.state.finalize import finalize
 from probe.summary import Summary
 

@@ -1,5 +1,5 @@
 """The run totals (probe.state.results.Results) fold windows in a few array operations by cached plans:
-the same values as merging the windows' states field by field (probe.state.accumulator.merge_states),
+the same values as merging the windows' states field by field (probe.state.combine.merge_states),
 as layouts change (sites and fields appearing, missing from a window, windows merged)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from probe.state.results import Results
-from probe.state.accumulator import merge_states
+from probe.state.combine import merge_states
 
 SPECIALS = torch.tensor([0.0, 1.0, -1.0, float("nan"), float("inf"), -float("inf"), 1e-300, 1e300, 3.0])
 FIELDS = ("logit@actual", "logit_max@actual", "entropy@actual", "rows", "scale", "grad_q_sq", "logit@unscaled",
