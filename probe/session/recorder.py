@@ -22,6 +22,7 @@ from probe.capture.grads import BackwardHooks
 from probe.capture.mode import ModuleStack
 from probe.once import WarnOnce
 from probe.errors import ProbeError
+from probe.session.empty_steps import EmptySteps
 from probe.session.options import ExtraScale, scale_value
 from probe.session.recompute import Recompute
 from probe.state.accumulator import GRAD_STEPS, Accumulator, State
@@ -197,6 +198,7 @@ class Recorder:
         self._warn_unknown_scale = WarnOnce()
         self._warn_scale = warn
         self.observer: Optional[Callable[[AttentionCall, str], None]] = None  # probe.coverage's audit
+        self.empty_steps = EmptySteps(model)  # a sampled step that measured nothing is warned
 
     def scales_for(self, call: AttentionCall) -> Dict[str, Scale]:
         scales: Dict[str, Scale] = {"actual": call.scale, "unscaled": 1.0, "standard": call.standard_scale}
@@ -268,6 +270,12 @@ class Recorder:
             module = self.model.get_submodule(name) if name != "root" else self.model
             self.grad_hooks.defer(module, key, self.step, self.scales_for, self.memory_budget, self.frontends)
         self._update_info(key, call)
+
+    def forward_end(self, step: int, calls: int, auto: bool, output: Any, compiled: bool = False) -> None:
+        """A captured root forward of ``step`` ended, having emitted ``calls`` attention calls
+        (``auto``: automatic steps, one forward per step; ``compiled``: the root runs compiled or
+        scripted code); ``output`` is its result."""
+        self.empty_steps.forward_end(step, calls, auto, compiled)
 
     def _sample(self, site: str, length: int) -> Tensor:
         """The stratified query positions of one call (probe.stats.sampling), seeded by the site,

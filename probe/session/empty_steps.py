@@ -1,0 +1,133 @@
+"""A sampled step that measured nothing is said, never an empty summary without a word.
+
+probe measures the attention that runs inside the forward of the module passed to
+``probe.watch``. Two ways a sampled step ends with nothing recorded:
+
+* the watched module's forward ran, but no attention call was captured inside it (a model
+  without attention, or one whose attention runs where probe cannot see it: the first-forward
+  audit names those it finds);
+* with explicit steps (``p.step(n)``), the watched module's forward never ran during the step:
+  its parts were called directly (a ``LightningModule`` whose ``training_step`` calls its
+  submodules, a wrapper whose ``forward`` is not the training path). Then :class:`EmptySteps`
+  watches, on that step only, which of the watched module's submodules run instead (one global
+  forward pre-hook, removed when the root's forward starts or the step ends), and names them.
+
+Each case is one ``UserWarning`` per probe, naming the watched module. Steps that are not sampled
+cost nothing; after the warning the watcher is no longer armed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List, Optional
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from probe.capture.sites import site_names
+
+__all__ = ["EmptySteps"]
+
+#: How many submodules that ran instead a warning names.
+_SHOWN = 6
+
+
+def _describe(model: nn.Module) -> str:
+    return f"{type(model).__name__}"
+
+
+class EmptySteps:
+    """Warns once when a sampled step of ``model`` measured no attention (module docstring).
+
+    The profiler calls :meth:`begin` when an explicit step starts, :meth:`forward_end` when a
+    captured root forward ends (with the number of attention calls it captured) and :meth:`end`
+    when a step is over (the next ``p.step``, ``close``).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._step: Optional[int] = None
+        self._sampled = False
+        self._forwards = 0  # root forwards captured in the current step
+        self._calls = 0  # attention calls they captured
+        self._ran: List[str] = []  # watched submodules that ran while the root's forward did not
+        self._names: Dict[int, str] = {}
+        self._handle: Optional[RemovableHandle] = None
+        self._root_ran = False
+        self.warned = False
+
+    def begin(self, step: int, sampled: bool) -> None:
+        """An explicit step begins (``p.step(step)``); watch what runs if it is sampled."""
+        self.end()
+        self._step, self._sampled = step, sampled
+        self._forwards = self._calls = 0
+        self._ran = []
+        self._root_ran = False
+        if sampled and not self.warned:
+            self._names = site_names(self._model)
+            self._handle = nn.modules.module.register_module_forward_pre_hook(self._seen)
+
+    def _seen(self, module: nn.Module, args: Any) -> None:
+        if module is self._model:
+            self._root_ran = True  # its own forward runs (captured, or paused for an evaluation)
+            self._disarm()
+            return
+        name = self._names.get(id(module))
+        if name is not None and len(self._ran) < 64 and not any(name.startswith(r + ".") or name == r for r in self._ran):
+            self._ran.append(name)
+
+    def _disarm(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def forward_end(self, step: int, calls: int, auto: bool, compiled: bool = False) -> None:
+        """A captured root forward of ``step`` ended having captured ``calls`` attention calls.
+        With automatic steps (one forward is one step) the step is judged now. ``compiled``: the
+        root runs compiled or scripted code (no call at all then has its own warning)."""
+        self._disarm()
+        if compiled and not calls and not self.warned:
+            self.warned = True
+            warnings.warn(f"probe: step {step} was sampled but no attention call was captured in this compiled or "
+                          "scripted model: its graph does not run probe's capture (TorchScript, an exported or "
+                          "AOT-compiled artifact?). Watch the nn.Module, or the torch.compile'd module, instead.",
+                          UserWarning, stacklevel=4)
+        if self._step != step:
+            self._step, self._forwards, self._calls, self._ran = step, 0, 0, []
+        self._sampled = True
+        self._forwards += 1
+        self._calls += calls
+        if auto:
+            self.end()
+
+    def end(self, closing: bool = False) -> None:
+        """The current step is over: warn (once) when it was sampled and measured nothing.
+        ``closing``: the probe closes, possibly because the step raised before any forward (a
+        failed training step): a step whose forward never ran is then warned only when some of
+        the watched module's submodules ran in it."""
+        self._disarm()
+        step, sampled, forwards, calls, ran = self._step, self._sampled, self._forwards, self._calls, self._ran
+        self._step, self._sampled, self._forwards, self._calls, self._ran = None, False, 0, 0, []
+        if step is None or not sampled or calls or self.warned or (not forwards and (self._root_ran or closing and not ran)):
+            return
+        watched = _describe(self._model)
+        if forwards:
+            message = (f"probe: step {step} was sampled but no attention call was captured inside the watched module "
+                       f"({watched}): its forward ran {forwards} time(s) and no F.scaled_dot_product_attention, "
+                       "nn.MultiheadAttention, FlexAttention or softmax over q·kᵀ that probe measures ran inside it. "
+                       "The summary has no site for this step.")
+        else:
+            instead = ""
+            if ran:
+                shown = ", ".join(ran[:_SHOWN]) + (f" and {len(ran) - _SHOWN} more" if len(ran) > _SHOWN else "")
+                instead = f"; these of its submodules ran directly instead: {shown}"
+            message = (f"probe: step {step} was sampled but the forward of the watched module ({watched}) never ran "
+                       f"during it, so nothing was measured{instead}. probe measures the attention that runs inside "
+                       "the forward of the module passed to probe.watch: watch the module whose forward runs (e.g. "
+                       "probe.watch(model.backbone)), or call the watched module itself.")
+        self.warned = True
+        warnings.warn(message, UserWarning, stacklevel=4)
+
+    def remove(self) -> None:
+        """Remove the watcher's hook (harmless twice)."""
+        self._disarm()

@@ -1,0 +1,186 @@
+"""A sampled step that measured no attention is a warning naming what was watched (issue 25)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import List
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import probe
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+
+
+class Wrapper(nn.Module):
+    """A LightningModule-like wrapper: training code calls ``encoder`` and ``head`` directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = Attention()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+def _probe_messages(run) -> List[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught if str(w.message).startswith("probe:")]
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(2, 5, 8)
+
+
+def test_explicit_steps_whose_root_forward_never_runs_name_the_submodules_that_ran():
+    model, x = Wrapper(), _x()
+
+    def run() -> None:
+        with probe.watch(model) as p:
+            for step in range(3):
+                p.step(step)
+                model.head(model.encoder(x)).sum().backward()
+            assert p.summary().sites == []
+
+    messages = _probe_messages(run)
+    assert len(messages) == 1, messages  # once per probe
+    assert "step 0 was sampled but the forward of the watched module (Wrapper) never ran" in messages[0]
+    assert "ran directly instead: encoder, head" in messages[0]
+
+
+def test_a_forward_without_attention_is_warned_once():
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU()), _x()
+
+    def run() -> None:
+        with probe.watch(model):
+            for _ in range(3):
+                model(x)
+
+    messages = _probe_messages(run)
+    assert len(messages) == 1, messages
+    assert "step 0 was sampled but no attention call was captured inside the watched module (Sequential)" in messages[0]
+
+
+def test_explicit_steps_judge_the_whole_step():
+    """Two forwards in one step (micro-batches), the second with attention: nothing to say."""
+
+    class Sometimes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Attention()
+
+        def forward(self, x: torch.Tensor, attend: bool) -> torch.Tensor:
+            return self.attn(x) if attend else x * 2
+
+    model, x = Sometimes(), _x()
+
+    def run() -> None:
+        with probe.watch(model) as p:
+            p.step(0)
+            model(x, False)
+            model(x, True)
+            p.step(1)
+            model(x, False)
+            p.step(2)
+
+    messages = _probe_messages(run)
+    assert len(messages) == 1, messages
+    assert "step 1 was sampled but no attention call was captured" in messages[0]
+    assert "ran 1 time(s)" in messages[0]
+
+
+def test_no_warning_when_attention_runs_or_the_step_is_not_sampled():
+    model, x = Wrapper(), _x()
+
+    def run() -> None:
+        with probe.watch(model) as p:
+            for step in range(3):
+                p.step(step)
+                model(x).sum().backward()
+        with probe.watch(model, every=2) as p:
+            p.step(0)
+            model(x)
+            p.step(1)  # not sampled: calling parts directly is nobody's business
+            model.head(model.encoder(x))
+            p.step(2)
+            model(x)
+
+    assert _probe_messages(run) == []
+
+
+def test_an_evaluation_under_pause_is_not_taken_for_a_step_without_forward():
+    model, x = Wrapper(), _x()
+
+    def run() -> None:
+        with probe.watch(model) as p:
+            p.step(0)
+            model(x)
+            p.pause()
+            with torch.no_grad():
+                model(x)
+            p.step(1)
+            model(x)
+
+    assert _probe_messages(run) == []
+
+
+def test_the_watcher_leaves_no_global_hook():
+    from torch.nn.modules import module as module_mod
+
+    before = (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks))
+    model, x = Wrapper(), _x()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = probe.watch(model)
+        p.step(0)
+        model.encoder(x)  # the watcher is armed: the root's forward has not run
+        assert len(module_mod._global_forward_pre_hooks) == before[0] + 1
+        p.close()
+    assert (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks)) == before
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_outputs_unchanged_while_the_watcher_is_armed(grad: bool):
+    model, x = Wrapper(), _x()
+    with torch.set_grad_enabled(grad):
+        expected = model.head(model.encoder(x))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with probe.watch(model) as p:
+                p.step(0)
+                got = model.head(model.encoder(x))
+    assert torch.equal(got, expected)
+
+
+def test_a_step_that_raised_before_any_forward_is_not_warned_at_close():
+    model, x = Wrapper(), _x()
+
+    def run() -> None:
+        p = probe.watch(model)
+        p.step(0)
+        model(x)
+        p.step(1)
+        p.close()  # step 1 raised before anything ran (a failed training step)
+        p2 = probe.watch(model)
+        p2.step(0)
+        model.encoder(x)
+        p2.close()  # parts ran: the pattern is there, said at close
+
+    messages = _probe_messages(run)
+    assert len(messages) == 1 and "ran directly instead: encoder" in messages[0], messages
