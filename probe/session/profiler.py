@@ -183,6 +183,7 @@ class Probe:
         self._started = True
         self._auto_step = False
         self._paused = False
+        self._rec.empty_steps.begin(n, self._sampled())  # a sampled step that measures nothing is warned
         self._maybe_flush()
         if self._dist is not None and self._sampled() and (not self._window or self._window[-1] != n):
             # Under torch.distributed, explicit steps alone decide the flushes: a rank that runs no
@@ -266,11 +267,9 @@ class Probe:
             captured = self._mode is not None
             self._stop_capture()
             self._eager.exit()
-            if captured and self._rec.emitted == self._emitted_before and (self._eager.hooks_traced or is_compiled(self.model)):
-                self._warn_compiled("empty", f"probe: step {self._step} was sampled but no attention call was "
-                                    "captured in this compiled or scripted model: its graph does not run probe's "
-                                    "capture (TorchScript, an exported or AOT-compiled artifact?). Watch the "
-                                    "nn.Module, or the torch.compile'd module, instead.")
+            if captured:  # no attention call captured: warned (probe.session.empty_steps)
+                self._rec.forward_end(self._step, self._rec.emitted - self._emitted_before, self._auto_step, output,
+                                      compiled=self._eager.hooks_traced or is_compiled(self.model))
             self._eager.arm(not self._paused and self._sampled((self._step + 1) if self._auto_step else self._step))
 
     def _warn_compiled(self, kind: str, message: str) -> None:
@@ -394,6 +393,7 @@ class Probe:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._rec.empty_steps.end(closing=True)
         self._grad_hooks.remove()
         self._stop_capture()
         self._eager.exit()
