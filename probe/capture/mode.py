@@ -188,6 +188,11 @@ class CaptureMode(TorchFunctionMode):
             _RESERVE.reset(reserving)
             _IN_FRONT_END.reset(token)
 
+    def pass_through(self) -> None:
+        """Pass every function through untouched from now on. For the mode's owner when the mode
+        cannot be popped yet (from inside its own handler): the owner pops it later."""
+        self._paused = True
+
     def pending(self) -> bool:
         """Whether a front end holds calls recorded but not yet measured."""
         return any(f.has_pending() for f in self.frontends)
