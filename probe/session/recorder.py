@@ -11,6 +11,7 @@ backward statistics.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import zlib
 from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -26,6 +27,7 @@ from probe.session.empty_steps import EmptySteps
 from probe.session.options import ExtraScale, scale_value
 from probe.session.recompute import Recompute
 from probe.state.accumulator import GRAD_STEPS, Accumulator, State
+from probe.state.writer import Window, to_host
 from probe.stats.functional import forward_stats, sample_rows
 from probe.stats.grads import grad_logits_stats, head_sq
 from probe.stats.masks import simplify
@@ -199,6 +201,10 @@ class Recorder:
         self._warn_scale = warn
         self.observer: Optional[Callable[[AttentionCall, str], None]] = None  # probe.coverage's audit
         self.empty_steps = EmptySteps(model)  # a sampled step that measured nothing is warned
+        #: Held while the running state changes and while a snapshot reads it: ``Probe.summary()``
+        #: may run on another thread (a dashboard) while training records, and backward hooks
+        #: may run on autograd's device threads.
+        self.lock = threading.RLock()
 
     def scales_for(self, call: AttentionCall) -> Dict[str, Scale]:
         scales: Dict[str, Scale] = {"actual": call.scale, "unscaled": 1.0, "standard": call.standard_scale}
@@ -228,10 +234,10 @@ class Recorder:
         module running now or, with ``key``, by the site :meth:`reserve` returned."""
         self.emitted += 1
         name, index = self.stack.next_site() if key is None else key
-        if not self.window or self.window[-1] != self.step:
-            self.window.append(self.step)
-        if index > 0:
-            self.multi.add(name)
+        with self.lock:
+            self.open_step(self.step)
+            if index > 0:
+                self.multi.add(name)
         call = dataclasses.replace(call, site=self.site_name((name, index)))
         if self.observer is not None:
             self.observer(call, call.site)  # the audit of the first sampled forward (probe.coverage)
@@ -263,13 +269,14 @@ class Recorder:
         if isinstance(call.scale, Tensor):
             fields["scale"] = call.scale.detach().reshape(-1).expand(call.heads).to(fields["rows"].dtype)
         key = (name, index)
-        self.acc.add(key, fields)
+        with self.lock:
+            self.acc.add(key, fields)
+            self._update_info(key, call)
         if self.grads and torch.is_grad_enabled():
             self.grad_hooks.register(call, key, self.step, scales, self.memory_budget, rows)
         elif self.grads and self.grad_hooks.root_grad:  # no_grad inside a training forward: reentrant checkpoint
             module = self.model.get_submodule(name) if name != "root" else self.model
             self.grad_hooks.defer(module, key, self.step, self.scales_for, self.memory_budget, self.frontends)
-        self._update_info(key, call)
 
     def forward_end(self, step: int, calls: int, auto: bool, output: Any, compiled: bool = False) -> None:
         """A captured root forward of ``step`` ended, having emitted ``calls`` attention calls
@@ -322,17 +329,74 @@ class Recorder:
 
     def _add_grads(self, key: Hashable, step: int, fields: State) -> None:
         """Fold backward fields (called from the hooks, inside backward) into the step's state."""
-        if step not in self.window:  # the window was flushed before this backward ran
-            self.window.append(step)
-        if self._grad_step.get(key) != step:  # count each step once: grad_* are RMS over steps
-            self._grad_step[key] = step
-            ref = next(iter(fields.values()))
-            fields = {**fields, GRAD_STEPS: torch.ones(1, dtype=ref.dtype, device=ref.device)}
-        self.acc.add(key, fields)
-        info = self.infos.get(key)  # type: ignore[arg-type]
-        if info is not None:
-            info.grad_kv_heads = info.kv_heads  # grad_k / grad_v have one value per kv head
+        with self.lock:
+            if step not in self.window:  # the window was flushed before this backward ran
+                self.window.append(step)
+            if self._grad_step.get(key) != step:  # count each step once: grad_* are RMS over steps
+                self._grad_step[key] = step
+                ref = next(iter(fields.values()))
+                fields = {**fields, GRAD_STEPS: torch.ones(1, dtype=ref.dtype, device=ref.device)}
+            self.acc.add(key, fields)
+            info = self.infos.get(key)  # type: ignore[arg-type]
+            if info is not None:
+                info.grad_kv_heads = info.kv_heads  # grad_k / grad_v have one value per kv head
 
     def info_dicts(self) -> Dict[SiteKey, Dict[str, Any]]:
         """The site infos in their JSON form (copies)."""
-        return {key: info.to_dict() for key, info in self.infos.items()}
+        with self.lock:
+            return {key: info.to_dict() for key, info in self.infos.items()}
+
+    def begin_forward(self, step: int) -> None:
+        """A root forward of ``step`` begins: the hooks of an earlier step's backward go (it is
+        over, or never came), and whether this forward runs with grad is noted (a ``no_grad``
+        call inside it is then a reentrant checkpoint, whose gradients are deferred)."""
+        if self.grad_hooks.step is not None and self.grad_hooks.step != step:
+            self.grad_hooks.remove()
+        self.grad_hooks.root_grad = torch.is_grad_enabled()
+
+    def open_step(self, step: int) -> None:
+        """Count ``step`` in the current window (a sampled step is flushed with the others even
+        when it records nothing: ranks must flush at the same steps)."""
+        with self.lock:
+            if not self.window or self.window[-1] != step:
+                self.window.append(step)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a window is open: recorded state or sampled steps not handed out yet."""
+        with self.lock:
+            return bool(self.window) or bool(self.acc)
+
+    def snapshot(self, reset: bool = True, reducer: Any = None) -> Optional[Window]:
+        """The statistics recorded since the last snapshot, as one flush window for the writer.
+
+        Args:
+            reset: hand the window out (the running state starts empty, the steps are closed);
+                ``False``: a copy of what is pending, for ``Probe.summary()``; nothing changes.
+            reducer: under ``torch.distributed``, a :class:`probe.state.distributed.Reducer`: the
+                window holds every rank's state reduced (a collective; needs ``reset``).
+
+        Returns:
+            the window (the device→host copy started), or ``None`` when there is nothing to
+            report. Any thread may call it.
+        """
+        with self.lock:
+            steps = list(self.window)
+            step = steps[-1] if steps else self.step
+            if reducer is not None:
+                flat, layout, infos = reducer.reduce(self.acc.states, self.info_dicts(), step)
+                self.multi.update(reducer.multi_names())  # "#n" suffixes as any rank saw them
+                event = None
+            elif self.acc:
+                flat, layout = self.acc.pack()
+                infos = self.info_dicts()
+                flat, event = to_host(flat) if reset else (flat, None)
+            else:
+                layout = []
+            if reset:
+                self.acc.reset()
+                self.window = []
+            if not layout:
+                return None
+            names = {key: self.site_name(key) for key, _, _ in layout}
+        return Window(step, steps or [step], flat, event, layout, names, infos)
