@@ -6,7 +6,7 @@ import atexit
 import os
 import warnings
 import weakref
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -18,14 +18,14 @@ from probe.session.compiled import EagerSteps, check_model, is_compiled, outside
 from probe.state.distributed import resolve_group
 from probe.errors import ProbeError
 from probe.session.forward_guard import ForwardFrame, RootHook
+from probe.session.lifecycle import Counting, Event, Lifecycle, Phase
 from probe.once import WarnOnce
 from probe.session.options import BUILTIN_SCALES, DEFAULT_ROWS, ExtraScale, check_int, check_scales, check_seconds, tensorboard_sink
 from probe.session.recorder import Recorder
-from probe.state.results import Results, pending_states, step_ends
+from probe.state.results import Results, step_ends
 from probe.session.schedule import Action, Schedule
 from probe.sinks.base import Sink
-from probe.state.writer import Window, Writer, to_host
-from probe.state.accumulator import State
+from probe.state.writer import Writer
 from probe.summary import SUMMARY_FILE, Summary
 
 __all__ = ["BUILTIN_SCALES", "Probe", "watch"]
@@ -63,7 +63,8 @@ class Probe:
             ``False``: per-rank statistics). Only rank 0 writes (TensorBoard, sinks, summary file);
             every rank's :meth:`summary` is the global one as of the last flush, and every rank
             must flush at the same steps (``docs/distributed.md``).
-        audit: warn once per attention the first sampled forward shows probe misses (:mod:`probe.capture.audit`).
+        audit: warn once per attention the first sampled forward shows probe misses (:mod:`probe.capture.audit`);
+            ``"quiet"``: audit that forward without warning (its findings in :attr:`audit_events`).
     """
 
     def __init__(
@@ -83,7 +84,7 @@ class Probe:
         group: Any = None,
         rows: Optional[int] = DEFAULT_ROWS,
         close_timeout: float = 30.0,
-        audit: bool = True,
+        audit: Union[bool, str] = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"expected `model` to be a torch.nn.Module, got {type(model).__name__}")
@@ -99,6 +100,8 @@ class Probe:
         self.close_timeout = check_seconds("close_timeout", close_timeout)
         self.extra_scales = check_scales(scales)
         self.grads = bool(grads)
+        if not isinstance(audit, bool) and audit != "quiet":
+            raise ProbeError(f"expected `audit` to be True, False or 'quiet', got {audit!r}")
         self.per_head = bool(per_head)
         self._sites_filter = sites
         self._site_ok = site_filter(sites)
@@ -135,15 +138,9 @@ class Probe:
         self._rec = Recorder(model, self._stack, self._frontends, extra_scales=self.extra_scales,
                              saturation=self.saturation, memory_budget=self.memory_budget, rows=self.rows,
                              grads=self.grads, site_ok=self._site_ok, warn=self._writer.warn)
-        self._grad_hooks = self._rec.grad_hooks
-        self._audit = FirstForwardAudit(model, self._frontends, done=not audit)
-        self._started = False
-        self._auto_step = True
-        self._paused = False
-        self._depth = 0
-        self._probed_steps: Set[int] = set()
+        self._audit = FirstForwardAudit(model, self._frontends, done=not audit, warn=audit != "quiet")
+        self._life = Lifecycle()  # READY; every phase change goes through it (probe.session.lifecycle)
         self._warned_filter = False
-        self._closed = False
         self._handles = [
             # RootHook: a deepcopy / pickle / torch.save of the model copies them as inert hooks
             model.register_forward_pre_hook(RootHook(self._on_forward_start)),
@@ -155,41 +152,35 @@ class Probe:
 
     # -- steps ---------------------------------------------------------------------------------
     @property
-    def _step(self) -> int:
+    def current_step(self) -> int:
+        """The step attention calls recorded now belong to."""
         return self._rec.step
 
-    @_step.setter
-    def _step(self, value: int) -> None:
-        self._rec.step = value  # calls emitted from now on belong to this step
+    @property
+    def phase(self) -> Phase:
+        """Where the probe is in its lifecycle (:class:`probe.session.lifecycle.Phase`)."""
+        return self._life.phase
 
     @property
-    def _window(self) -> List[int]:
-        return self._rec.window
-
-    @_window.setter
-    def _window(self, value: List[int]) -> None:
-        self._rec.window = value
-
-    @property
-    def current_step(self) -> int:
-        return self._step
+    def audit_events(self) -> List[Any]:
+        """What the audited first sampled forward found (:class:`probe.capture.audit.Event`s)."""
+        return self._audit.events
 
     def step(self, n: int) -> None:
         """Set the step number: forwards until the next ``step`` call belong to step ``n``
         (e.g. several micro-batches of gradient accumulation). Turns off automatic counting."""
         self._check_open("step")
         self._recover_if_interrupted()
-        self._step = check_int("n", n, 0)
-        self._started = True
-        self._auto_step = False
-        self._paused = False
-        self._rec.empty_steps.begin(n, self._sampled())  # a sampled step that measures nothing is warned
+        n = check_int("n", n, 0)
+        self._life.set_step(n)
+        self._rec.step = n  # calls emitted from now on belong to this step
+        self._rec.empty_steps.begin(n, self._sampled(n))  # a sampled step that measures nothing is warned
         self._maybe_flush()
-        if self._dist is not None and self._sampled() and (not self._window or self._window[-1] != n):
+        if self._dist is not None and self._sampled(n):
             # Under torch.distributed, explicit steps alone decide the flushes: a rank that runs no
             # forward in a sampled step still takes part in that step's flush.
-            self._window.append(n)
-        self._eager.arm(self._sampled())
+            self._rec.open_step(n)
+        self._eager.arm(self._sampled(n))
 
     def pause(self, flush: bool = True, wait: bool = False) -> None:
         """Probe no forward until the next :meth:`step` call, e.g. a trainer's evaluation between
@@ -201,55 +192,59 @@ class Probe:
                 Under ``torch.distributed`` this is a collective: every rank pauses alike.
             wait: also wait until the sinks have written them.
         """
-        self._paused = True
+        if self._life.closed:
+            return
+        self._life.pause()
         self._eager.arm(False)
-        if flush and self._window and len(self._window) >= self._schedule.flush_every:
+        if flush and self._schedule.window_full(self._rec.window):
             self._flush()
         if wait:
             self._writer.flush()
 
-    def _sampled(self, step: Optional[int] = None) -> bool:
-        return self._schedule(self._step if step is None else step) is Action.RECORD
+    def _sampled(self, step: int) -> bool:
+        return self._schedule(step) is Action.RECORD
 
     def _maybe_flush(self) -> None:
-        if self._schedule.flush_due(self._window, self._step):
+        if self._schedule.flush_due(self._rec.window, self._rec.step):
             self._flush()
 
-    # -- root hooks ----------------------------------------------------------------------------
+    def _arm_next(self) -> None:
+        """Before the next root forward: ``force_eager`` if it will be recorded (torch.compile)."""
+        life = self._life
+        self._eager.arm(not life.paused and self._sampled(life.following_step()))
+
+    # -- root hooks: FORWARD_START and FORWARD_END ---------------------------------------------
     def _on_forward_start(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():  # Dynamo traces the root's hooks: leave the graph
             return outside_graph(self._on_traced_forward_start, module, args)
         self._recover_if_interrupted()
-        self._depth += 1
-        if self._depth > 1:  # the root called again from inside its own forward
+        life = self._life
+        if life.in_forward:  # the root called again from inside its own forward
+            life.depth += 1
+            return
+        if life.closed:
             return
         self._frame.enter()
-        if self._auto_step:
-            self._step = self._step + 1 if self._started else 0
-            self._started = True
-        if self._grad_hooks.step is not None and self._grad_hooks.step != self._step:
-            self._grad_hooks.remove()  # the previous step's backward is over (or never came)
-        self._grad_hooks.root_grad = torch.is_grad_enabled()
+        new_step = life.next_step() if life.counting is Counting.AUTO else None
+        step = self._rec.step if new_step is None else new_step
+        self._rec.step = step
+        self._rec.begin_forward(step)
         self._maybe_flush()
-        if self._paused or not self._sampled():
-            return
-        if self._dist is not None and (not self._window or self._window[-1] != self._step):
+        capture = not life.paused and self._sampled(step)
+        if capture and self._dist is not None:
             # Ranks must flush at the same steps: a sampled step opens the window even on a rank
             # whose forward issues no attention call.
-            self._window.append(self._step)
-        if self._eager.in_graph and not self._eager.active:
-            self._warn_compiled("skipped", f"probe: step {self._step} was sampled but the model's root forward "
+            self._rec.open_step(step)
+        if capture and self._eager.in_graph and not self._eager.active:
+            self._warn_compiled("skipped", f"probe: step {step} was sampled but the model's root forward "
                                 "already runs compiled (torch.compile applied after probe.watch, model.compile() or "
                                 "a compiled training step); probe skipped it and runs later sampled steps eagerly. "
                                 "To probe from the first step, watch the compiled module: "
                                 "probe.watch(torch.compile(model)).")
-            return
-        self._eager.enter()  # compiled code in this forward runs eagerly, so the capture sees it
-        self._emitted_before = self._rec.emitted
-        self._stack.activate()
-        self._mode = CaptureMode(self._frontends, self._emit, self._rec.reserve)
-        self._mode.__enter__()
-        self._audit.start(self._rec)  # above the capture mode: it sees the model's ops first
+            capture = False
+        life.start_forward(capture, new_step)
+        if capture:
+            self._start_capture()
 
     def _on_traced_forward_start(self, module: nn.Module, args: Any) -> None:
         self._eager.hooks_traced = self._eager.in_graph = True
@@ -261,16 +256,22 @@ class Probe:
     def _on_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return outside_graph(self._on_forward_end, module, args, output)
-        self._depth = max(0, self._depth - 1)
-        if self._depth == 0:
-            self._frame.exit()
-            captured = self._mode is not None
-            self._stop_capture()
-            self._eager.exit()
-            if captured:  # no attention call captured: warned (probe.session.empty_steps)
-                self._rec.forward_end(self._step, self._rec.emitted - self._emitted_before, self._auto_step, output,
-                                      compiled=self._eager.hooks_traced or is_compiled(self.model))
-            self._eager.arm(not self._paused and self._sampled((self._step + 1) if self._auto_step else self._step))
+        life = self._life
+        if not life.in_forward:
+            return
+        if life.depth > 1:
+            life.depth -= 1
+            return
+        self._frame.exit()
+        captured = life.phase is Phase.CAPTURE
+        self._stop_capture()
+        self._eager.exit()
+        life.end_forward()
+        if captured:  # no attention call captured: warned (probe.session.empty_steps)
+            self._rec.forward_end(self._rec.step, self._rec.emitted - self._emitted_before,
+                                  life.counting is Counting.AUTO, output,
+                                  compiled=self._eager.hooks_traced or is_compiled(self.model))
+        self._arm_next()
 
     def _warn_compiled(self, kind: str, message: str) -> None:
         self._warned_compiled(kind, message, stacklevel=3)
@@ -281,23 +282,32 @@ class Probe:
             # cannot pop itself from inside its own handler: it goes inert here, and the next
             # forward or call on the probe pops it.
             if self._mode is not None:
-                self._mode._paused = True
+                self._mode.pass_through()
             self._stack.deactivate()
             return
         self._rec.emit(call, key)
 
     def _recover_if_interrupted(self) -> None:
-        """Restore the state a root forward left when a BaseException (KeyboardInterrupt,
-        SystemExit, GeneratorExit) skipped its forward hook (:mod:`probe.session.forward_guard`): capture
-        mode popped, global module hooks removed, depth reset, so steps keep counting. Called
-        where popping the mode is safe: outside any torch function."""
-        if self._depth == 0 or not self._frame.stale():
+        """INTERRUPTED: restore the state a root forward left when a BaseException
+        (KeyboardInterrupt, SystemExit, GeneratorExit) skipped its forward hook
+        (:mod:`probe.session.forward_guard`): capture mode popped, global module hooks removed,
+        depth reset, so steps keep counting. Called where popping the mode is safe: outside any
+        torch function."""
+        if not self._life.in_forward or not self._frame.stale():
             return
         self._frame.exit()
-        self._depth = 0
         self._stop_capture()
         self._eager.exit()
-        self._eager.arm(self._sampled((self._step + 1) if self._auto_step else self._step))
+        self._life.end_forward(Event.INTERRUPTED)
+        self._arm_next()
+
+    def _start_capture(self) -> None:
+        self._eager.enter()  # compiled code in this forward runs eagerly, so the capture sees it
+        self._emitted_before = self._rec.emitted
+        self._stack.activate()
+        self._mode = CaptureMode(self._frontends, self._emit, self._rec.reserve)
+        self._mode.__enter__()
+        self._audit.start(self._rec)  # above the capture mode: it sees the model's ops first
 
     def _stop_capture(self) -> None:
         self._audit.stop()
@@ -309,36 +319,14 @@ class Probe:
 
     # -- flush -----------------------------------------------------------------------------------
     def _flush(self) -> None:
-        """Pack the accumulator, start one device→host copy, hand the rest to the worker."""
-        window, self._window = self._window, []
+        """Hand the recorder's window to the writer: one packed tensor, one device→host copy
+        started (under ``torch.distributed``: reduced across the group's ranks first, a
+        collective on the training thread, ordered with the training's own collectives)."""
         self._check_filter()
-        if self._dist is not None:
-            self._flush_distributed(window)
-            return
-        acc = self._rec.acc
-        if not acc:
-            return
-        self._probed_steps.update(window)
-        flat, layout = acc.pack()
-        acc.reset()
-        names = {key: self._rec.site_name(key) for key, _, _ in layout}
-        infos = self._rec.info_dicts()
-        host, event = to_host(flat)
-        self._writer.submit(Window(window[-1], window, host, event, layout, names, infos))
-
-    def _flush_distributed(self, window: List[int]) -> None:
-        """Reduce the window across the group's ranks (a collective, on the training thread, so
-        that it is ordered with the training's own collectives), then hand it to the worker."""
-        assert self._dist is not None
-        step = window[-1] if window else self._step
-        flat, layout, infos = self._dist.reduce(self._rec.acc.states, self._rec.info_dicts(), step)
-        self._rec.acc.reset()
-        self._rec.multi.update(self._dist.multi_names())  # "#n" suffixes as any rank saw them
-        if not layout:
-            return
-        self._probed_steps.update(window)
-        names = {key: self._rec.site_name(key) for key, _, _ in layout}
-        self._writer.submit(Window(step, window or [step], flat, None, layout, names, infos))
+        with self._rec.lock:  # a summary() on another thread sees the window in one place or the other
+            window = self._rec.snapshot(reducer=self._dist)
+            if window is not None:
+                self._writer.submit(window)
 
     def _check_filter(self) -> None:
         filtered_out = self._rec.filtered_out
@@ -355,22 +343,22 @@ class Probe:
 
     # -- results ---------------------------------------------------------------------------------
     def summary(self) -> Summary:
-        """Metrics aggregated over every probed step so far (including the current one).
+        """Metrics aggregated over every probed step so far (including the current one). Safe
+        from any thread while training runs (a dashboard, a notebook widget).
 
         Under ``torch.distributed`` (a reducer is active) every rank returns the same global
         summary as of the last flush: the current, unflushed window is another rank's business
         until the next flush, and reading it here must not need a collective.
         """
         self._recover_if_interrupted()
-        self._writer.fold_all()  # flushed windows into the totals; never waits on a sink
         local = self._dist is None
-        rec = self._rec
-        pending: Dict[str, State] = {}
-        if rec.acc and local:
-            flat, layout = rec.acc.pack()
-            pending = pending_states(flat, layout, {key: rec.site_name(key) for key, _, _ in layout})
-        infos = {rec.site_name(key): info for key, info in rec.info_dicts().items()} if local else {}
-        probed = self._probed_steps | (set(self._window) if local else set())  # meta: which steps (for the CLI)
+        with self._rec.lock:
+            window = self._rec.snapshot(reset=False) if local else None
+            open_steps = list(self._rec.window) if local else []
+            probed, _ = self._writer.fold_all()  # flushed windows into the totals; never waits on a sink
+        pending = {} if window is None else window.materialize()
+        infos = {} if window is None else window.infos
+        probed.update(open_steps)  # meta: which steps (for the CLI)
         return self._results.summary(pending, infos, len(probed), {**self._meta(), **step_ends(probed)})
 
     def _meta(self) -> Dict[str, Any]:
@@ -382,19 +370,19 @@ class Probe:
         up on their own within a couple of seconds (docs/guarantees.md)."""
         return self._writer.flush(timeout)
 
-    # -- lifecycle -------------------------------------------------------------------------------
+    # -- lifecycle: CLOSE --------------------------------------------------------------------------
     def close(self) -> None:
         """Remove every hook, flush, write ``probe_summary.json``. Safe to call twice."""
-        if self._closed:
+        if self._life.closed:
             return
         self._recover_if_interrupted()
-        self._closed = True
+        self._life.close()
         atexit.unregister(self._atexit)
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._rec.empty_steps.end(closing=True)
-        self._grad_hooks.remove()
+        self._rec.grad_hooks.remove()
         self._stop_capture()
         self._eager.exit()
         try:
@@ -402,10 +390,10 @@ class Probe:
                 # A collective: every rank closes and flushes, even one with nothing to add.
                 if self._dist.usable():
                     self._flush()
-                elif self._window or self._rec.acc:
+                elif self._rec.pending:
                     self._writer.warn("probe: torch.distributed was shut down before Probe.close(); the last "
                                       "window of statistics was not reduced (close the probe first)")
-            elif self._window or self._rec.acc:
+            elif self._rec.pending:
                 self._flush()
             if self._logdir is not None:
                 # Before waiting on the sinks: a slow sink or a second Ctrl-C cannot cost the summary.
@@ -414,7 +402,7 @@ class Probe:
             self._writer.close(self.close_timeout)
 
     def _check_open(self, what: str) -> None:
-        if self._closed:
+        if self._life.closed:
             raise ProbeError(f"this probe is closed: {what} needs an open one (probe.watch(model) again)")
 
     def __enter__(self) -> "Probe":
@@ -425,7 +413,7 @@ class Probe:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Probe(every={self.every}, step={self._step}, closed={self._closed})"
+        return f"Probe(every={self.every}, step={self._rec.step}, {self._life.phase.name.lower()})"
 
 
 def watch(

@@ -38,6 +38,10 @@ class Schedule:
     def __call__(self, step: int) -> Action:
         return Action.RECORD if step % self.every == 0 else Action.SKIP
 
+    def window_full(self, window: Sequence[int]) -> bool:
+        """Whether the recorded steps ``window`` are enough for a flush (once they are complete)."""
+        return bool(window) and len(window) >= self.flush_every
+
     def flush_due(self, window: Sequence[int], step: int) -> bool:
         """Whether the recorded steps ``window`` (ascending) form a complete flush at ``step``."""
-        return bool(window) and window[-1] != step and len(window) >= self.flush_every
+        return self.window_full(window) and window[-1] != step
