@@ -23,7 +23,6 @@ import torch
 from torch import Tensor, nn
 
 from probe.capture.audit import Event
-from probe.capture.audit_warning import FirstForwardAudit
 from probe.errors import ProbeError
 
 __all__ = ["Coverage", "Row", "coverage"]
@@ -138,8 +137,7 @@ def coverage(model: nn.Module, *args: Any, backward: bool = True, **kwargs: Any)
         raise ProbeError(f"expected `model` to be a torch.nn.Module, got {type(model).__name__}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the report says what the warnings would
-        p = Probe(model, grads=backward, audit=False)
-    audit = p._audit = FirstForwardAudit(model, p._frontends, warn=False)
+        p = Probe(model, grads=backward, audit="quiet")
     ran_backward = False
     try:
         with warnings.catch_warnings():
@@ -156,7 +154,7 @@ def coverage(model: nn.Module, *args: Any, backward: bool = True, **kwargs: Any)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             p.close()
-    return Coverage(rows=_rows(audit.events, summary), backward=ran_backward)
+    return Coverage(rows=_rows(p.audit_events, summary), backward=ran_backward)
 
 
 def _rows(events: List[Event], summary: Any) -> List[Row]:
