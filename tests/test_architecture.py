@@ -195,3 +195,45 @@ def test_no_file_over_the_size_limit():
     sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
     big = {name: n for name, n in sizes.items() if n > MAX_LINES and name not in PENDING_SIZES}
     assert not big, f"files over {MAX_LINES} lines: {big}"
+
+
+def _private_writes(tree: ast.AST) -> Iterator[Tuple[int, str]]:
+    """Assignments, augmented assignments and deletions of ``x._name`` where ``x`` is not
+    ``self`` or ``cls``, and ``setattr(x, "_name", ...)``: one module setting another's private
+    state."""
+    for node in ast.walk(tree):
+        targets: List[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = list(node.targets)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and str(node.args[1].value).startswith("_") and not str(node.args[1].value).startswith("__")):
+            yield node.lineno, ast.unparse(node)
+        for target in targets:
+            for sub in ast.walk(target):  # a, b._x = ... and (b._x)[0] = ... alike
+                if not isinstance(sub, ast.Attribute) or not sub.attr.startswith("_") or sub.attr.startswith("__"):
+                    continue
+                if isinstance(sub.value, ast.Name) and sub.value.id in ("self", "cls"):
+                    continue
+                if isinstance(target, ast.Subscript) and sub is not target.value:
+                    continue
+                yield node.lineno, ast.unparse(sub)
+
+
+def test_private_writes_are_found():
+    found = [text for _, text in sorted(_private_writes(ast.parse(
+        "self._a = 1\ncls._b = 2\np._c = 3\nself.m._d = 4\nq._e += 1\ndel r._f\nsetattr(s, '_g', 1)\nt.h = 5\n"
+        "u._i[0] = 6\n")))]
+    assert found == ["p._c", "self.m._d", "q._e", "r._f", "setattr(s, '_g', 1)", "u._i"]
+
+
+def test_no_module_sets_another_objects_private_attributes():
+    """Nothing outside a class sets its private attributes (``p._audit = ...``,
+    ``self._mode._paused = True``): the owner offers a method or an argument instead."""
+    bad = sorted(f"{name}:{line}: {text}" for name, path in _modules().items()
+                 for line, text in _private_writes(ast.parse(path.read_text(), str(path))))
+    assert not bad, "\n".join(bad)
