@@ -12,6 +12,10 @@ probe measures the attention that runs inside the forward of the module passed t
   watches, on that step only, which of the watched module's submodules run instead (one global
   forward pre-hook, removed when the root's forward starts or the step ends), and names them.
 
+A step recorded whole (``p.step(n, window=True)``, the Lightning callback's training batches:
+every attention call is captured, whatever module runs it) that captured nothing is the third
+case, said with the submodules that ran.
+
 Each case is one ``UserWarning`` per probe, naming the watched module. Steps that are not sampled
 cost nothing; after the warning the watcher is no longer armed.
 """
@@ -54,10 +58,14 @@ class EmptySteps:
         self._names: Dict[int, str] = {}
         self._handle: Optional[RemovableHandle] = None
         self._root_ran = False
+        self._windows = 0  # recording windows of the current step that closed
         self.warned = False
 
     def begin(self, step: int, sampled: bool) -> None:
-        """An explicit step begins (``p.step(step)``); watch what runs if it is sampled."""
+        """An explicit step begins (``p.step(step)``); watch what runs if it is sampled. The same
+        step again (its next micro-batch) goes on counting."""
+        if step == self._step and sampled == self._sampled:
+            return
         self.end()
         self._step, self._sampled = step, sampled
         self._forwards = self._calls = 0
@@ -100,6 +108,12 @@ class EmptySteps:
         if auto:
             self.end()
 
+    def window_end(self, step: int, calls: int) -> None:
+        """A recording window of ``step`` closed having captured ``calls`` attention calls."""
+        if step == self._step:
+            self._windows += 1
+            self._calls += calls
+
     def end(self, closing: bool = False) -> None:
         """The current step is over: warn (once) when it was sampled and measured nothing.
         ``closing``: the probe closes, possibly because the step raised before any forward (a
@@ -107,20 +121,29 @@ class EmptySteps:
         the watched module's submodules ran in it."""
         self._disarm()
         step, sampled, forwards, calls, ran = self._step, self._sampled, self._forwards, self._calls, self._ran
+        windows, self._windows = self._windows, 0
         self._step, self._sampled, self._forwards, self._calls, self._ran = None, False, 0, 0, []
-        if step is None or not sampled or calls or self.warned or (not forwards and (self._root_ran or closing and not ran)):
+        if step is None or not sampled or calls or self.warned:
             return
+        if not windows and not forwards and (self._root_ran or closing and not ran):
+            return
+        if windows and closing and not ran and not self._root_ran:
+            return  # the step raised before any part of the module ran
         watched = _describe(self._model)
-        if forwards:
+        shown = ", ".join(ran[:_SHOWN]) + (f" and {len(ran) - _SHOWN} more" if len(ran) > _SHOWN else "")
+        if windows:
+            what = "its own forward" if self._root_ran else (f"its submodules {shown}" if ran else "none of its parts")
+            message = (f"probe: step {step} was sampled and everything it ran was recorded (the whole training step, "
+                       f"not only the forward of the watched module {watched}), but no attention call was captured: "
+                       f"{what} ran, and no F.scaled_dot_product_attention, nn.MultiheadAttention, FlexAttention or "
+                       "softmax over q·kᵀ that probe measures. The summary has no site for this step.")
+        elif forwards:
             message = (f"probe: step {step} was sampled but no attention call was captured inside the watched module "
                        f"({watched}): its forward ran {forwards} time(s) and no F.scaled_dot_product_attention, "
                        "nn.MultiheadAttention, FlexAttention or softmax over q·kᵀ that probe measures ran inside it. "
                        "The summary has no site for this step.")
         else:
-            instead = ""
-            if ran:
-                shown = ", ".join(ran[:_SHOWN]) + (f" and {len(ran) - _SHOWN} more" if len(ran) > _SHOWN else "")
-                instead = f"; these of its submodules ran directly instead: {shown}"
+            instead = f"; these of its submodules ran directly instead: {shown}" if ran else ""
             message = (f"probe: step {step} was sampled but the forward of the watched module ({watched}) never ran "
                        f"during it, so nothing was measured{instead}. probe measures the attention that runs inside "
                        "the forward of the module passed to probe.watch: watch the module whose forward runs (e.g. "
