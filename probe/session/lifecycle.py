@@ -16,6 +16,10 @@ BYPASS    a root forward runs untouched: its step is not recorded, the probe is 
           measure under (``torch.jit.trace``, ``torch.export``, ``torch.func``, fake or meta
           tensors: :mod:`probe.session.transforms`)
 PAUSED    :meth:`Probe.pause`: root forwards run untouched until :meth:`Probe.step`
+WINDOW    ``p.step(n, window=True)`` on a sampled step: every attention call runs under the capture
+          mode, whatever module issues it, until :meth:`Probe.pause`, the next ``step`` or ``close``
+          (a trainer's training step that calls the model's parts; root forwards inside it are no
+          transition)
 CLOSED    :meth:`Probe.close`: hooks removed; nothing is recorded again
 ========  =========================================================================================
 
@@ -24,9 +28,9 @@ event           from                            to
 ==============  ==============================  ============================================
 FORWARD_START   READY, STEP, PAUSED             CAPTURE or BYPASS (the outermost root call)
 FORWARD_END     CAPTURE, BYPASS                 :attr:`Lifecycle.resume` (STEP or PAUSED)
-STEP            READY, STEP, PAUSED             STEP (``p.step(n)``; counting turns explicit)
+STEP            READY, STEP, PAUSED, WINDOW     STEP, or WINDOW (``p.step(n)``; counting turns explicit)
 STEP            CAPTURE, BYPASS                 unchanged (calls from now on belong to ``n``)
-PAUSE           READY, STEP, PAUSED             PAUSED
+PAUSE           READY, STEP, PAUSED, WINDOW     PAUSED
 PAUSE           CAPTURE, BYPASS                 unchanged; PAUSED once the forward ends
 INTERRUPTED     CAPTURE, BYPASS                 :attr:`Lifecycle.resume` (a BaseException
                                                 skipped the forward hook: probe.session.forward_guard)
@@ -62,6 +66,7 @@ class Phase(enum.Enum):
     CAPTURE = "capture"
     BYPASS = "bypass"
     PAUSED = "paused"
+    WINDOW = "window"
     CLOSED = "closed"
 
 
@@ -85,14 +90,15 @@ class Counting(enum.Enum):
 
 _OPEN = frozenset({Phase.READY, Phase.STEP, Phase.PAUSED})  # no root forward running
 _FORWARD = frozenset({Phase.CAPTURE, Phase.BYPASS})
+_BETWEEN = _OPEN | {Phase.WINDOW}  # where p.step and p.pause act at once
 
 #: (event, phase it happens in) -> the phases it may lead to. Anything else is a bug in probe.
 TRANSITIONS: Dict[Tuple[Event, Phase], FrozenSet[Phase]] = {
     **{(Event.FORWARD_START, p): _FORWARD for p in _OPEN},
     **{(Event.FORWARD_END, p): frozenset({Phase.STEP, Phase.PAUSED}) for p in _FORWARD},
-    **{(Event.STEP, p): frozenset({Phase.STEP}) for p in _OPEN},
+    **{(Event.STEP, p): frozenset({Phase.STEP, Phase.WINDOW}) for p in _BETWEEN},
     **{(Event.STEP, p): frozenset({p}) for p in _FORWARD},
-    **{(Event.PAUSE, p): frozenset({Phase.PAUSED}) for p in _OPEN},
+    **{(Event.PAUSE, p): frozenset({Phase.PAUSED}) for p in _BETWEEN},
     **{(Event.PAUSE, p): frozenset({p}) for p in _FORWARD},
     **{(Event.INTERRUPTED, p): frozenset({Phase.STEP, Phase.PAUSED}) for p in _FORWARD},
     **{(Event.CLOSE, p): frozenset({Phase.CLOSED}) for p in Phase},
@@ -170,11 +176,12 @@ class Lifecycle:
         self.depth = 0
         self.move(event, self.resume)
 
-    def set_step(self, n: int) -> None:
-        """``p.step(n)``: counting is explicit from now on."""
+    def set_step(self, n: int, window: bool = False) -> None:
+        """``p.step(n)``: counting is explicit from now on; ``window``: step ``n`` is recorded
+        whole (WINDOW; ignored inside a root forward)."""
         self.counting = Counting.EXPLICIT
         self.step = n
-        self.move(Event.STEP, self.phase if self.in_forward else Phase.STEP)
+        self.move(Event.STEP, self.phase if self.in_forward else Phase.WINDOW if window else Phase.STEP)
         self.resume = Phase.STEP
 
     def pause(self) -> None:

@@ -65,6 +65,7 @@ class Probe:
             must flush at the same steps (``docs/distributed.md``).
         audit: warn once per attention the first sampled forward shows probe misses (:mod:`probe.capture.audit`);
             ``"quiet"``: audit that forward without warning (its findings in :attr:`audit_events`).
+        offset: sample the steps with ``step % every == offset`` (a trainer logging N-1, 2N-1, ...).
     """
 
     def __init__(
@@ -85,13 +86,14 @@ class Probe:
         rows: Optional[int] = DEFAULT_ROWS,
         close_timeout: float = 30.0,
         audit: Union[bool, str] = True,
+        offset: int = 0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"expected `model` to be a torch.nn.Module, got {type(model).__name__}")
         check_model(model)
         self.every = check_int("every", every, 1)
         self.flush_every = check_int("flush_every", flush_every, 1)
-        self._schedule = Schedule(self.every, self.flush_every)
+        self._schedule = Schedule(self.every, self.flush_every, check_int("offset", offset, 0))
         self.memory_budget = check_int("memory_budget", memory_budget, 1)
         self.rows = None if rows is None else check_int("rows", rows, 1)
         if isinstance(saturation, bool) or not isinstance(saturation, (int, float)) or not 0 < saturation <= 1:
@@ -166,13 +168,15 @@ class Probe:
         """What the audited first sampled forward found (:class:`probe.capture.audit.Event`s)."""
         return self._audit.events
 
-    def step(self, n: int) -> None:
+    def step(self, n: int, window: bool = False) -> None:
         """Set the step number: forwards until the next ``step`` call belong to step ``n``
-        (e.g. several micro-batches of gradient accumulation). Turns off automatic counting."""
+        (e.g. several micro-batches of gradient accumulation). Turns off automatic counting.
+        ``window``: a sampled step is recorded whole, whatever module runs (``Phase.WINDOW``)."""
         self._check_open("step")
         self._recover_if_interrupted()
         n = check_int("n", n, 0)
-        self._life.set_step(n)
+        self._close_window()
+        self._life.set_step(n, window and self._sampled(n))
         self._rec.step = n  # calls emitted from now on belong to this step
         self._rec.empty_steps.begin(n, self._sampled(n))  # a sampled step that measures nothing is warned
         self._maybe_flush()
@@ -181,6 +185,14 @@ class Probe:
             # forward in a sampled step still takes part in that step's flush.
             self._rec.open_step(n)
         self._eager.arm(self._sampled(n))
+        if self._life.phase is Phase.WINDOW:
+            self._rec.begin_forward(n)
+            self._start_capture()
+
+    def _close_window(self) -> None:
+        if self._life.phase is Phase.WINDOW:  # the caller moves on to the next phase
+            self._stop_capture()
+            self._rec.empty_steps.window_end(self._rec.step, self._rec.emitted - self._emitted_before)
 
     def pause(self, flush: bool = True, wait: bool = False) -> None:
         """Probe no forward until the next :meth:`step` call, e.g. a trainer's evaluation between
@@ -194,6 +206,7 @@ class Probe:
         """
         if self._life.closed:
             return
+        self._close_window()
         self._life.pause()
         self._eager.arm(False)
         if flush and self._schedule.window_full(self._rec.window):
@@ -222,7 +235,7 @@ class Probe:
         if life.in_forward:  # the root called again from inside its own forward
             life.depth += 1
             return
-        if life.closed:
+        if life.closed or life.phase is Phase.WINDOW:  # a window captures already
             return
         self._frame.enter()
         new_step = life.next_step() if life.counting is Counting.AUTO else None
@@ -265,7 +278,6 @@ class Probe:
         self._frame.exit()
         captured = life.phase is Phase.CAPTURE
         self._stop_capture()
-        self._eager.exit()
         life.end_forward()
         if captured:  # no attention call captured: warned (probe.session.empty_steps)
             self._rec.forward_end(self._rec.step, self._rec.emitted - self._emitted_before,
@@ -297,7 +309,6 @@ class Probe:
             return
         self._frame.exit()
         self._stop_capture()
-        self._eager.exit()
         self._life.end_forward(Event.INTERRUPTED)
         self._arm_next()
 
@@ -316,6 +327,7 @@ class Probe:
             mode.__exit__(None, None, None)  # emits what the front ends still held
         self._stack.deactivate()
         self._audit.finish(self._rec)
+        self._eager.exit()
 
     # -- flush -----------------------------------------------------------------------------------
     def _flush(self) -> None:
@@ -376,6 +388,7 @@ class Probe:
         if self._life.closed:
             return
         self._recover_if_interrupted()
+        self._close_window()
         self._life.close()
         atexit.unregister(self._atexit)
         for handle in self._handles:
@@ -384,7 +397,6 @@ class Probe:
         self._rec.empty_steps.end(closing=True)
         self._rec.grad_hooks.remove()
         self._stop_capture()
-        self._eager.exit()
         try:
             if self._dist is not None:
                 # A collective: every rank closes and flushes, even one with nothing to add.

@@ -11,6 +11,8 @@ import dataclasses
 import enum
 from typing import Sequence
 
+from probe.errors import ProbeError
+
 __all__ = ["Action", "Schedule"]
 
 
@@ -23,8 +25,9 @@ class Action(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """Record steps ``0, every, 2·every, ...``; flush once ``flush_every`` recorded steps are
-    complete (a step is complete once the next step began: its backward pass belongs to it).
+    """Record steps ``offset, offset + every, ...`` (``offset`` 0 by default); flush once
+    ``flush_every`` recorded steps are complete (a step is complete once the next step began:
+    its backward pass belongs to it).
 
     Example:
         >>> s = Schedule(every=2, flush_every=1)
@@ -34,9 +37,14 @@ class Schedule:
 
     every: int = 1
     flush_every: int = 1
+    offset: int = 0  #: record ``step % every == offset`` (a trainer logging N-1, 2N-1, ...: N-1)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.offset < self.every:
+            raise ProbeError(f"expected `offset` to be in [0, every) = [0, {self.every}), got {self.offset!r}")
 
     def __call__(self, step: int) -> Action:
-        return Action.RECORD if step % self.every == 0 else Action.SKIP
+        return Action.RECORD if step % self.every == self.offset else Action.SKIP
 
     def window_full(self, window: Sequence[int]) -> bool:
         """Whether the recorded steps ``window`` are enough for a flush (once they are complete)."""
