@@ -1,10 +1,18 @@
 """What the trainer callbacks share: options, step bookkeeping, thresholds judged as the run goes.
 
-A trainer callback translates its framework's events into four calls on :class:`Session`:
-``start`` (training begins: watch the model, paused), ``begin_step(n)`` (a micro-batch of
-optimizer step ``n`` begins), ``end_step(done)`` (a micro-batch ended; ``done`` when the optimizer
-stepped) and ``close`` (training ended or raised). Between ``end_step`` and the next
-``begin_step`` the probe is paused, so evaluation forwards are not counted in a training step.
+Both callbacks derive from :class:`SessionCallback` (their options, ``probe``, ``violations``,
+``close``: one place to add an option) and translate their framework's events into four calls on
+:class:`Session`: ``start`` (training begins: watch the model, paused), ``begin_step(n)`` (a
+micro-batch of the optimization step the trainer's logger numbers ``n`` begins), ``end_step(done)``
+(a micro-batch ended; ``done`` when it ended the optimization step) and ``close`` (training ended
+or raised). Between ``end_step`` and the next ``begin_step`` the probe is paused, so evaluation
+forwards are not counted in a training step.
+
+Which steps are sampled: every ``every``-th optimization step, counted from 1, as the trainers'
+own logging intervals count (``logging_steps``, ``log_every_n_steps``), so that ``every`` equal to
+the logging interval puts probe's scalars on the steps the loss is logged at. A trainer that
+numbers its first optimization step ``first`` (Hugging Face 1, Lightning 0) samples the steps
+``n`` with ``n % every == (first - 1) % every``.
 
 Thresholds are judged on probe's writer thread by a sink (:class:`Judge`) that sees each
 flushed window, the statistics of one sampled step; the training thread picks up its verdicts at
@@ -17,20 +25,20 @@ import inspect
 import logging
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 from probe.errors import ProbeError
 from probe.session.profiler import Probe, watch
 from probe.ci.runs import ContinueRun
 from probe.summary import Summary
-from probe.ci.thresholds import Threshold, Violation, as_thresholds, check, format_value
+from probe.ci.thresholds import Threshold, ThresholdLike, Violation, as_thresholds, check, format_value
 
-__all__ = ["Judge", "Session", "logger"]
+__all__ = ["Judge", "Session", "SessionCallback", "logger"]
 
 logger = logging.getLogger("probe.integrations")
 
 #: Options of :func:`probe.watch` the callbacks pass through (``model`` and ``logdir`` are theirs).
-_WATCH_OPTIONS = frozenset(inspect.signature(Probe.__init__).parameters) - {"self", "model", "logdir", "every"}
+_WATCH_OPTIONS = frozenset(inspect.signature(Probe.__init__).parameters) - {"self", "model", "logdir", "every", "offset"}
 
 
 def describe(step: int, v: Violation) -> str:
@@ -82,7 +90,7 @@ class Session:
     """One training run's probe, driven by a trainer callback (see the module docstring)."""
 
     def __init__(self, every: int, thresholds: Any, stop_on_violation: bool, logdir: Any,
-                 watch_options: Dict[str, Any]) -> None:
+                 watch_options: Dict[str, Any], first: int = 0, window: bool = False) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ProbeError(f"expected `every` to be a positive int, got {every!r}")
         unknown = sorted(set(watch_options) - _WATCH_OPTIONS)
@@ -93,6 +101,8 @@ class Session:
             if not hasattr(logdir, "__fspath__"):
                 raise ProbeError(f"expected `logdir` to be a path or a SummaryWriter, got {type(logdir).__name__}")
         self.every = every
+        self.offset = (first - 1) % every  # sampled: step % every == offset (module docstring)
+        self.window = window  # record whatever runs during a sampled step, not only the model's forwards
         self.thresholds = as_thresholds(thresholds)  # a malformed expression fails here, not mid-run
         self.stop_on_violation = bool(stop_on_violation)
         self.logdir = logdir
@@ -120,19 +130,22 @@ class Session:
         self._judge = Judge(self.thresholds) if writes else None
         if self._judge is not None:
             sinks.append(self._judge)
-        self.probe = watch(model, logdir=logdir if writes else None, every=self.every, sinks=sinks, **options)
+        self.probe = watch(model, logdir=logdir if writes else None, every=self.every, offset=self.offset,
+                           sinks=sinks, **options)
         self._open = True
         self.probe.pause(flush=False)
         self._step = None
 
     def sampled(self, step: int) -> bool:
-        return step % self.every == 0
+        return step % self.every == self.offset
 
     def begin_step(self, step: int) -> None:
-        """A micro-batch of optimizer step ``step`` begins (every micro-batch calls this)."""
+        """A micro-batch of the optimization step numbered ``step`` begins (every micro-batch
+        calls this). With ``window``, every attention call until :meth:`end_step` is recorded,
+        whatever module runs it."""
         if self._open:
             self._step = step
-            self.probe.step(step)
+            self.probe.step(step, window=self.window)
 
     def end_step(self, done: bool, agree: Optional[Callable[[bool], bool]] = None) -> bool:
         """A micro-batch ended; ``done``: the optimizer stepped, the step is over.
@@ -184,3 +197,46 @@ class Session:
             self.probe.close()
         finally:
             self._report()
+
+
+class SessionCallback:
+    """The options and attributes both trainer callbacks share; each framework's callback class
+    derives from it and its framework's callback base, and documents its own step rule.
+
+    Subclasses set :attr:`first_step` (the number their trainer's logger gives the first
+    optimization step) and :attr:`window` (record whatever runs during a sampled step).
+    """
+
+    first_step = 0
+    window = False
+
+    def __init__(
+        self,
+        every: int = 1,
+        thresholds: Union[None, ThresholdLike, Iterable[ThresholdLike]] = None,
+        stop_on_violation: bool = False,
+        logdir: Any = None,
+        **watch_options: Any,
+    ) -> None:
+        self._session = Session(every, thresholds, stop_on_violation, logdir, watch_options,
+                                first=self.first_step, window=self.window)
+
+    @property
+    def probe(self) -> Optional[Probe]:
+        """The run's :class:`probe.Probe` (kept after training for ``probe.summary()``)."""
+        return self._session.probe
+
+    @property
+    def violations(self) -> List[Tuple[int, Violation]]:
+        """``(step, probe.Violation)`` for every violation found."""
+        return self._session.violations
+
+    def close(self) -> None:
+        """Close the probe now (flush, write ``probe_summary.json``); safe to call twice."""
+        self._session.close()
+
+    def __enter__(self) -> "SessionCallback":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -6,17 +6,18 @@ Example:
     ...                   callbacks=[ProbeCallback(every=10, thresholds=["logit_max < 100"])])
     >>> trainer.train()
 
-Steps are the Trainer's optimizer steps: every micro-batch of gradient accumulation, forward and
-backward, belongs to the step that ``state.global_step`` reaches when its optimizer step is
-taken, the number the Trainer logs ``train/loss`` with. Evaluation, prediction and saving between
-steps are not probed.
+Steps: probe's step for an optimizer step is the step the Trainer logs that step's ``train/loss``
+with (``state.global_step`` once the optimizer has stepped, from 1; every micro-batch of gradient
+accumulation, forward and backward, belongs to it), and ``every=N`` samples the steps
+``logging_steps=N`` logs: N, 2N, ... Evaluation, prediction and saving between steps are not
+probed.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Iterable, Optional, Union
+from typing import Any
 
 try:
     from transformers import TrainerCallback
@@ -27,18 +28,17 @@ except ImportError as err:  # pragma: no cover - depends on the environment
         "probe.integrations.huggingface needs transformers: pip install 'attention-probe[hf]'"
     ) from err
 
-from probe.integrations._session import Session
-from probe.ci.thresholds import ThresholdLike
+from probe.integrations._session import SessionCallback
 
 __all__ = ["ProbeCallback"]
 
 
-class ProbeCallback(TrainerCallback):
+class ProbeCallback(SessionCallback, TrainerCallback):
     """Watches the Trainer's model with :func:`probe.watch` while it trains.
 
     Args:
-        every: probe one optimizer step in ``every`` (steps ``every``, ``2·every``, ...: the
-            Trainer's numbering, which starts at 1).
+        every: probe one optimizer step in ``every``: the steps the Trainer logs with
+            ``logging_steps=every`` (``every``, ``2·every``, ...: the Trainer numbers steps from 1).
         thresholds: limits judged on each probed step as the run goes (``probe.check``
             expressions, e.g. ``"logit_max < 100"``); ``None``: probe's defaults. A violated
             limit is logged (logger ``probe.integrations``) with step, site, head, metric, scale
@@ -51,6 +51,10 @@ class ProbeCallback(TrainerCallback):
         **watch_options: passed to :func:`probe.watch` (``grads``, ``sites``, ``scales``,
             ``per_head``, ``rows``, ``sinks``, ...).
 
+    What is recorded: the attention of every forward of the model (the Trainer calls it for each
+    micro-batch), forward and backward, from ``on_step_begin`` to ``on_step_end`` of a sampled
+    step; evaluation, prediction and saving run outside and are never recorded.
+
     Only the main process writes and judges; under DDP the statistics of all ranks are reduced
     as :func:`probe.watch` does and a stop is agreed by every rank. The probe closes when training
     ends. ``transformers`` tells a callback nothing when ``train()`` raises: then the probe is
@@ -62,23 +66,7 @@ class ProbeCallback(TrainerCallback):
         violations: ``(step, probe.Violation)`` for every violation found.
     """
 
-    def __init__(
-        self,
-        every: int = 1,
-        thresholds: Union[None, ThresholdLike, Iterable[ThresholdLike]] = None,
-        stop_on_violation: bool = False,
-        logdir: Any = None,
-        **watch_options: Any,
-    ) -> None:
-        self._session = Session(every, thresholds, stop_on_violation, logdir, watch_options)
-
-    @property
-    def probe(self) -> Any:
-        return self._session.probe
-
-    @property
-    def violations(self) -> list:
-        return self._session.violations
+    first_step = 1  # the Trainer logs the first optimizer step at global_step 1
 
     # -- Trainer events -----------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -104,17 +92,6 @@ class ProbeCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         self._session.close()
-
-    # -- lifecycle ----------------------------------------------------------------------------
-    def close(self) -> None:
-        """Close the probe now (flush, write ``probe_summary.json``); safe to call twice."""
-        self._session.close()
-
-    def __enter__(self) -> "ProbeCallback":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def trainer_logdir(args: TrainingArguments) -> str:

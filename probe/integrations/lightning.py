@@ -6,22 +6,30 @@ Works with both distributions of Lightning: ``lightning`` (``import lightning.py
 
 Example:
     >>> from probe.integrations.lightning import ProbeCallback
-    >>> trainer = lightning.pytorch.Trainer(max_steps=1000, callbacks=[ProbeCallback(every=10)])
+    >>> trainer = lightning.pytorch.Trainer(max_steps=1000, log_every_n_steps=10,
+    ...                                     callbacks=[ProbeCallback(every=10)])
     >>> trainer.fit(module, loader)
 
-Steps are ``trainer.global_step`` as the optimizer step begins, the number Lightning logs that
-step's ``self.log(...)`` metrics with (it counts from 0): every micro-batch of gradient
-accumulation belongs to it. Validation and sanity checking between steps are not probed.
+What is recorded: every attention call that runs during a sampled training batch, from
+``on_train_batch_start`` to ``on_train_batch_end`` (``training_step``, its backward and the
+optimizer step), whatever ``training_step`` calls: ``self(x)``, ``self.model(x)``,
+``self.encoder(x)``, several models, manual optimization. Validation, sanity checking and
+prediction run outside those windows and are never recorded.
+
+Steps: probe's step for a training batch is the step Lightning's logger writes that batch's
+``self.log`` metrics with (``fit_loop.epoch_loop._batches_that_stepped``, from 0: one per optimizer
+step under automatic optimization, whose accumulated micro-batches all belong to it; one per
+training batch under manual optimization, however many optimizers step in it), and ``every=N``
+samples the steps ``log_every_n_steps=N`` logs: N-1, 2N-1, ...
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Iterable, List, Optional, Tuple, Union
+from typing import Any, List, Tuple
 
-from probe.integrations._session import Session
-from probe.ci.thresholds import ThresholdLike
+from probe.integrations._session import SessionCallback
 
 __all__ = ["ProbeCallback"]
 
@@ -45,11 +53,12 @@ _CALLBACKS: Tuple[type, ...] = tuple(pl.Callback for pl in _PACKAGES)
 _TB_LOGGERS: Tuple[type, ...] = tuple(pl.loggers.TensorBoardLogger for pl in _PACKAGES)
 
 
-class ProbeCallback(*_CALLBACKS):  # type: ignore[misc]
-    """Watches the ``LightningModule`` with :func:`probe.watch` while it trains.
+class ProbeCallback(SessionCallback, *_CALLBACKS):  # type: ignore[misc]
+    """Records the attention of the ``LightningModule``'s training steps with :func:`probe.watch`.
 
     Args:
-        every: probe one optimizer step in ``every`` (``trainer.global_step % every == 0``).
+        every: probe one optimization step in ``every``: the steps Lightning logs with
+            ``log_every_n_steps=every`` (N-1, 2N-1, ...: Lightning numbers steps from 0).
         thresholds: limits judged on each probed step as the run goes (``probe.check``
             expressions); ``None``: probe's defaults. A violation is logged (logger
             ``probe.integrations``) with step, site, head, metric, scale and value, once per
@@ -62,34 +71,19 @@ class ProbeCallback(*_CALLBACKS):  # type: ignore[misc]
         **watch_options: passed to :func:`probe.watch` (``grads``, ``sites``, ``scales``,
             ``per_head``, ``rows``, ``sinks``, ...).
 
-    Only global rank zero writes and judges; under DDP the statistics of all ranks are reduced
-    as :func:`probe.watch` does. The probe closes when training ends or raises
-    (``on_exception``), before Lightning finalizes its loggers.
+    Every attention call that runs while a sampled training batch runs is recorded, whatever
+    ``training_step`` calls (see the module docstring); sites are named after the module's
+    attributes (``encoder.layers.0.self_attn``). Only global rank zero writes and judges; under
+    DDP the statistics of all ranks are reduced as :func:`probe.watch` does. The probe closes when
+    training ends or raises (``on_exception``), before Lightning finalizes its loggers.
 
     Attributes:
         probe: the run's :class:`probe.Probe` (kept after training for ``probe.summary()``).
         violations: ``(step, probe.Violation)`` for every violation found.
     """
 
-    def __init__(
-        self,
-        every: int = 1,
-        thresholds: Union[None, ThresholdLike, Iterable[ThresholdLike]] = None,
-        stop_on_violation: bool = False,
-        logdir: Any = None,
-        **watch_options: Any,
-    ) -> None:
-        super().__init__()
-        self._session = Session(every, thresholds, stop_on_violation, logdir, watch_options)
-        self._started_at: Optional[int] = None
-
-    @property
-    def probe(self) -> Any:
-        return self._session.probe
-
-    @property
-    def violations(self) -> list:
-        return self._session.violations
+    first_step = 0  # Lightning logs the first optimization step at step 0
+    window = True  # training_step may call any part of the module: record the whole batch
 
     # -- Lightning hooks ----------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -97,18 +91,22 @@ class ProbeCallback(*_CALLBACKS):  # type: ignore[misc]
         logdir = self._session.logdir
         if logdir is None and writes:
             logdir = _trainer_logdir(trainer)
-        self._session.start(pl_module, logdir, writes, resumed=trainer.global_step > 0)
+        self._session.start(pl_module, logdir, writes, resumed=_logger_step(trainer) > 0)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._started_at = trainer.global_step
-        self._session.begin_step(trainer.global_step)
+        self._session.begin_step(_logger_step(trainer))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # global_step moved: this micro-batch ended an optimizer step (automatic optimization
-        # steps before this hook; under accumulation the other micro-batches leave it unchanged).
-        done = self._started_at is not None and trainer.global_step != self._started_at
-        if self._session.end_step(done, agree=lambda flag: bool(trainer.strategy.broadcast(flag, src=0))):
+        if self._session.end_step(_ends_step(trainer), agree=lambda flag: bool(trainer.strategy.broadcast(flag, src=0))):
             trainer.should_stop = True
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        # A batch skipped by ``on_train_batch_start`` returning -1 has no batch-end event: never
+        # let its window run on into validation.
+        self._session.end_step(False)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._session.end_step(False)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._session.close()
@@ -119,9 +117,31 @@ class ProbeCallback(*_CALLBACKS):  # type: ignore[misc]
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._session.close()
 
-    def close(self) -> None:
-        """Close the probe now (flush, write ``probe_summary.json``); safe to call twice."""
-        self._session.close()
+
+def _logger_step(trainer: Any) -> int:
+    """The step Lightning's logger writes the current training batch's metrics with.
+
+    ``_LoggerConnector.log_metrics`` uses ``fit_loop.epoch_loop._batches_that_stepped``: it counts
+    training batches that ended an optimization step (once a batch, however many optimizers
+    stepped: not ``trainer.global_step``, which counts every ``optimizer.step()``), is restored
+    from a checkpoint, and is what ``log_every_n_steps`` counts.
+    """
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    return int(step) if isinstance(step, int) else int(trainer.global_step)
+
+
+def _ends_step(trainer: Any) -> bool:
+    """Whether the training batch now ending ends its optimization step (Lightning's own test:
+    it counts ``_batches_that_stepped`` up after it unless the batch only accumulates)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    should_accumulate = getattr(loop, "_should_accumulate", None)
+    if callable(should_accumulate):
+        try:
+            return not should_accumulate()
+        except Exception:  # noqa: BLE001 - a Lightning without the method's state: assume it steps
+            return True
+    return True
 
 
 def _trainer_logdir(trainer: Any) -> Any:

@@ -1,4 +1,5 @@
-"""examples/hf_trainer.py and examples/lightning_train.py run (2 steps) and leave one run."""
+"""examples/hf_trainer.py and examples/lightning_train.py run (4 steps) and leave one run whose
+loss and probe scalars share steps."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ def _example(name: str) -> dict:
 
 def test_hf_trainer_example(tmp_path, capsys) -> None:
     pytest.importorskip("transformers")
-    callback = _example("hf_trainer.py")["main"](["--max-steps", "5", "--out", str(tmp_path)])
-    assert "probed 1 optimizer steps" in capsys.readouterr().out
+    callback = _example("hf_trainer.py")["main"](["--max-steps", "4", "--every", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "probed 2 optimizer steps" in out and "model.layers.1.self_attn: entropy@actual" in out
     (run,) = {os.path.dirname(f) for f in glob.glob(str(tmp_path / "runs" / "*" / "events.out.tfevents.*"))}
     tags = scalars(run)
-    assert probe_steps(tags) == [5] and 5 in tags["train/loss"]
-    assert callback.probe.summary().steps == 1
+    assert tags["train/loss"] == probe_steps(tags) == [2, 4]
+    assert callback.probe.summary().steps == 2
 
 
 def test_lightning_example(tmp_path, capsys) -> None:
@@ -32,7 +34,8 @@ def test_lightning_example(tmp_path, capsys) -> None:
         import lightning.pytorch  # noqa: F401
     except ImportError:
         pytest.importorskip("pytorch_lightning")
-    _example("lightning_train.py")["main"](["--max-steps", "6", "--out", str(tmp_path)])
-    assert "probed 2 optimizer steps" in capsys.readouterr().out
+    _example("lightning_train.py")["main"](["--max-steps", "4", "--every", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "probed 2 optimizer steps" in out and "encoder.layers.1.self_attn: entropy@actual" in out
     tags = scalars(str(tmp_path / "tiny_lm"))
-    assert probe_steps(tags) == [0, 5] and "train_loss" in tags
+    assert tags["train_loss"] == probe_steps(tags) == [1, 3]

@@ -73,12 +73,14 @@ def test_trainer_run_holds_loss_and_probe_scalars_at_optimizer_steps(tmp_path) -
     assert cb.probe.summary().steps == 4
 
 
-def test_every_samples_trainer_steps(tmp_path) -> None:
+def test_every_samples_the_steps_logging_steps_logs(tmp_path) -> None:
     cb = ProbeCallback(every=3, grads=False)
-    make_trainer(tmp_path, cb, max_steps=7).train()
+    make_trainer(tmp_path, cb, max_steps=7, logging_steps=3, gradient_accumulation_steps=2, eval_strategy="steps",
+                 eval_steps=3, per_device_eval_batch_size=2).train()
     tags = scalars(run_dirs(tmp_path)[0])
-    assert probe_steps(tags) == [3, 6]
-    assert tags["train/loss"] == list(range(1, 8))
+    assert tags["train/loss"] == probe_steps(tags) == [3, 6]
+    # evaluation during training, logged at the same steps (and after the last step), is not probed
+    assert tags["eval/loss"] == [3, 6, 7] and cb.probe.summary().info(SITES[0])["calls"] == 2 * 2
 
 
 def test_violation_is_logged_and_stops_training(tmp_path, caplog) -> None:
@@ -101,12 +103,13 @@ def test_violation_without_stop_only_logs(tmp_path) -> None:
 
 def test_resume_from_checkpoint_continues_the_step_count(tmp_path) -> None:
     first = ProbeCallback(every=1, grads=False)
-    make_trainer(tmp_path, first, max_steps=2, save_strategy="steps", save_steps=2).train()
+    make_trainer(tmp_path, first, max_steps=2, save_strategy="steps", save_steps=2, gradient_accumulation_steps=2).train()
     assert os.path.isdir(tmp_path / "checkpoint-2")
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(tmp_path / "tb")  # one run for both halves
     try:
         second = ProbeCallback(every=1, grads=False)
-        make_trainer(tmp_path, second, max_steps=4).train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+        make_trainer(tmp_path, second, max_steps=4, gradient_accumulation_steps=2).train(
+            resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     finally:
         del os.environ["TENSORBOARD_LOGGING_DIR"]
     tags = scalars(str(tmp_path / "tb"))
@@ -145,3 +148,22 @@ def test_training_that_raises_leaves_no_hook_after_close(tmp_path) -> None:
 def test_bad_options_fail_at_construction(kwargs, match) -> None:
     with pytest.raises(probe.ProbeError, match=match):
         ProbeCallback(**kwargs)
+
+
+def test_a_compute_loss_that_bypasses_the_models_forward_is_a_warning(tmp_path) -> None:
+    class PartsTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            hidden = model.bert(input_ids=inputs["input_ids"]).pooler_output
+            loss = torch.nn.functional.cross_entropy(model.classifier(hidden), inputs["labels"])
+            return (loss, None) if return_outputs else loss
+
+    cb = ProbeCallback(grads=False)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, report_to="none",
+                             save_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = PartsTrainer(model=tiny_bert(), args=args, train_dataset=Data(), callbacks=[cb])
+    with pytest.warns(UserWarning, match="probe: step 1 was sampled") as caught:
+        trainer.train()
+    messages = [str(w.message) for w in caught if str(w.message).startswith("probe:")]
+    assert len(messages) == 1, messages
+    assert "the forward of the watched module (BertForSequenceClassification) never ran" in messages[0]
+    assert "ran directly instead: bert, classifier" in messages[0]
