@@ -147,7 +147,8 @@ class EmptySteps:
             message = (f"probe: step {step} was sampled but the forward of the watched module ({watched}) never ran "
                        f"during it, so nothing was measured{instead}. probe measures the attention that runs inside "
                        "the forward of the module passed to probe.watch: watch the module whose forward runs (e.g. "
-                       "probe.watch(model.backbone)), or call the watched module itself.")
+                       "probe.watch(model.backbone)), call the watched module itself, or record the whole step "
+                       "with p.step(n, window=True).")
         self.warned = True
         warnings.warn(message, UserWarning, stacklevel=4)
 

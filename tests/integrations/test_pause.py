@@ -3,6 +3,8 @@ Probe.step(n, window=True) records a training step whole, ``offset`` samples a t
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -99,3 +101,19 @@ def test_offset_samples_steps_every_minus_one() -> None:
     assert [step for step, _ in sink.writes] == [2, 5]
     with pytest.raises(probe.ProbeError, match=r"`offset` to be in \[0, every\)"):
         probe.watch(model, every=3, offset=3)
+
+
+def test_the_warning_for_a_step_without_the_roots_forward_points_at_the_window() -> None:
+    model = Wrapper()
+    with pytest.warns(UserWarning, match=r"never ran .* p\.step\(n, window=True\)"):
+        with probe.watch(model, grads=False) as p:
+            p.step(0)
+            model.enc(torch.randn(1, 3, 32))
+            p.step(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")               # the same loop with the window: recorded, no warning
+        with probe.watch(model, grads=False) as p:
+            p.step(0, window=True)
+            model.enc(torch.randn(1, 3, 32))
+            p.step(1, window=True)
+        assert p.summary().sites == ["enc.layers.0", "enc.layers.1"]
