@@ -273,3 +273,35 @@ def test_a_sampled_step_that_records_nothing_is_a_warning_naming_what_ran(tmp_pa
 def test_no_warning_when_the_training_step_calls_attention_through_its_parts(tmp_path, recwarn) -> None:
     fit(tmp_path, ProbeCallback(every=2, grads=False), module=GAN(), max_steps=8)
     assert not [w for w in recwarn if str(w.message).startswith("probe:")]
+
+
+def test_a_module_wrapping_a_hugging_face_model_with_eager_attention(tmp_path, recwarn) -> None:
+    pytest.importorskip("transformers")
+    from tests.helpers import tiny_llama
+
+    class Wrapped(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_llama("eager").train()
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(input_ids=batch[0], labels=batch[0]).loss
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 64, (8, 12), generator=g)),
+                                      batch_size=4)
+    cb = ProbeCallback()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, log_every_n_steps=1, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
+                         logger=pl.loggers.TensorBoardLogger(str(tmp_path), name="tb", version=0))
+    trainer.fit(Wrapped(), ids)
+    tags = run_tags(tmp_path)
+    assert tags["loss"] == probe_steps(tags) == [0, 1]
+    assert cb.probe.summary().sites == ["model.model.layers.0.self_attn", "model.model.layers.1.self_attn"]
+    assert "probe.grad_logits/actual/model.model.layers.1.self_attn" in tags
+    assert not [w for w in recwarn if str(w.message).startswith("probe:")]  # the audit of the whole step: no miss

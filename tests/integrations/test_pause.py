@@ -117,3 +117,16 @@ def test_the_warning_for_a_step_without_the_roots_forward_points_at_the_window()
             model.enc(torch.randn(1, 3, 32))
             p.step(1, window=True)
         assert p.summary().sites == ["enc.layers.0", "enc.layers.1"]
+
+
+def test_a_window_measures_what_the_roots_forward_measures() -> None:
+    model, x = Wrapper(), torch.randn(2, 5, 32)
+    summaries = []
+    for window in (False, True):
+        with probe.watch(model, rows=None) as p:
+            p.step(0, window=window)
+            (model(x) if not window else model.enc(x)).square().mean().backward()  # the root, or its part
+        summaries.append(p.summary())
+    for site in ("enc.layers.0", "enc.layers.1"):
+        for metric in ("entropy", "max_prob", "logit_max", "grad_logits", "grad_q"):
+            assert summaries[0].value(site, metric).tolist() == summaries[1].value(site, metric).tolist(), (site, metric)
