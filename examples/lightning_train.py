@@ -119,8 +119,9 @@ def main(argv=None) -> ProbeCallback:
     )
     trainer.fit(TinyLM(), copy_task(16 * args.max_steps, 0), copy_task(64, 1))
 
-    print(f"probed {callback.probe.summary().steps} optimizer steps; train_loss "
-          f"{float(trainer.callback_metrics['train_loss']):.2f} at the end (ln {VOCAB} = {math.log(VOCAB):.2f} at first)")
+    loss = float(trainer.callback_metrics["train_loss"])
+    print(f"probed {callback.probe.summary().steps} optimizer steps; train_loss {loss:.2f} at the end "
+          f"(ln {VOCAB} = {math.log(VOCAB):.2f} at first)")
     report(trace)
     print(f"{len(callback.violations)} threshold violations; tensorboard --logdir {args.out}")
     return callback

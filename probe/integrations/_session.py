@@ -37,8 +37,10 @@ __all__ = ["Judge", "Session", "SessionCallback", "logger"]
 
 logger = logging.getLogger("probe.integrations")
 
-#: Options of :func:`probe.watch` the callbacks pass through (``model`` and ``logdir`` are theirs).
-_WATCH_OPTIONS = frozenset(inspect.signature(Probe.__init__).parameters) - {"self", "model", "logdir", "every", "offset"}
+#: Options of :func:`probe.watch` the callbacks pass through (``model``, ``logdir``, ``every`` and the
+#: sampling ``offset`` are theirs).
+_OWN_OPTIONS = frozenset({"self", "model", "logdir", "every", "offset"})
+_WATCH_OPTIONS = frozenset(inspect.signature(Probe.__init__).parameters) - _OWN_OPTIONS
 
 
 def describe(step: int, v: Violation) -> str:

@@ -97,7 +97,8 @@ class ProbeCallback(SessionCallback, *_CALLBACKS):  # type: ignore[misc]
         self._session.begin_step(_logger_step(trainer))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._session.end_step(_ends_step(trainer), agree=lambda flag: bool(trainer.strategy.broadcast(flag, src=0))):
+        agree = lambda flag: bool(trainer.strategy.broadcast(flag, src=0))  # noqa: E731 - rank 0's verdict
+        if self._session.end_step(_ends_step(trainer), agree=agree):
             trainer.should_stop = True
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
