@@ -67,6 +67,11 @@ class AttentionCall:
             reproduces the model's own logits from ``q`` and ``k`` exactly (``q`` and ``k`` as they
             entered the product; its value is no claim about the model's scale) or ``None`` with
             ``logits`` set. A record with ``scale is None`` is unknown too (:attr:`scale_known`).
+        rerun: for a call whose ``output`` carries randomness (attention dropout), the model's own
+            function run again without it: ``rerun(entries, pos)`` gives the output rows ``pos`` of
+            batch entries ``0 .. entries-1``, ``(entries, H, len(pos), dv)``, which the recorder's
+            check of the reconstruction compares with ``P·v`` instead of ``output``
+            (:mod:`probe.session.verify`). ``None`` otherwise.
     """
 
     q: Tensor
@@ -86,6 +91,7 @@ class AttentionCall:
     scale_from: Optional[str] = None
     head_dim: Optional[int] = None
     scale_unknown: Optional[str] = None
+    rerun: Optional[Callable[[int, Tensor], Tensor]] = None
 
     @property
     def scale_known(self) -> bool:
