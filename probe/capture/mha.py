@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from probe.experiment import overrides
 from probe.call import AttentionCall
 from probe.capture.frontend import Emit, FrontEnd, NamedSite
+from probe.capture.sdpa import rerun_rows
 from probe.once import WarnOnce
 
 __all__ = ["MHAFrontEnd", "lookup_mha", "mha_forward", "mirrors", "nested_self_attention_call"]
@@ -238,7 +239,8 @@ def mha_forward(
             if attn_mask is not None:
                 bias = attn_mask.unsqueeze(0) if attn_mask.size(0) == 1 else _heads_view(attn_mask, bsz, num_heads)
             recorded = scale.detach() if isinstance(scale, Tensor) else scale
-            emit(AttentionCall(q=q4, k=k4, v=v4, scale=recorded, bias=bias, output=out4, kind="mha"))
+            rerun = rerun_rows(q4, k4, v4, bias, False, recorded) if dropout_p > 0.0 else None
+            emit(AttentionCall(q=q4, k=k4, v=v4, scale=recorded, bias=bias, output=out4, kind="mha", rerun=rerun))
         attn_output = out4.flatten(0, 1).transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
         attn_output = F.linear(attn_output, out_proj_weight, out_proj_bias)
         attn_output = attn_output.view(tgt_len, bsz, attn_output.size(1))
@@ -271,9 +273,10 @@ def mha_forward(
         recorded = float(scale_override)
         attn_output = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=recorded)
     if emit is not None:
+        rerun = rerun_rows(q, k, v, attn_mask, bool(is_causal), recorded) if dropout_p > 0.0 else None
         emit(AttentionCall(
             q=q, k=k, v=v, scale=recorded, bias=attn_mask, causal=bool(is_causal),
-            output=attn_output, kind="mha",
+            output=attn_output, kind="mha", rerun=rerun,
         ))
     attn_output = attn_output.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
     attn_output = F.linear(attn_output, out_proj_weight, out_proj_bias)

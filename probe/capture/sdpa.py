@@ -44,6 +44,36 @@ def _to_4d(t: Tensor) -> Tensor:
     return t
 
 
+def _rows(t: Tensor, entries: int, pos: Tensor) -> Tensor:
+    """Batch entries ``0 .. entries-1`` and query rows ``pos`` of a mask broadcastable to (B, H, L, S)."""
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    t = t.reshape(-1, *t.shape[-3:]) if t.dim() > 4 else t
+    t = t[:entries] if t.shape[0] > 1 else t
+    return t.index_select(-2, pos) if t.shape[-2] > 1 else t
+
+
+def rerun_rows(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool, scale: Any,
+               ) -> Callable[[int, Tensor], Tensor]:
+    """``AttentionCall.rerun``: SDPA on rows ``pos`` of batch entries ``0 .. entries-1`` of 4-D
+    ``q``, ``k``, ``v``, with the call's mask (boolean or additive) and causality, without
+    dropout: what the call computed before its dropout, for the check of the reconstruction."""
+
+    def rerun(entries: int, pos: Tensor) -> Tensor:
+        rows = _rows(mask, entries, pos) if mask is not None else None
+        if causal:  # top-left aligned, as SDPA's is_causal, at the rows' own positions
+            keep = pos.unsqueeze(-1) >= torch.arange(k.shape[-2], device=pos.device)
+            rows = keep if rows is None else (rows & keep if rows.dtype == torch.bool
+                                              else rows.masked_fill(~keep, float("-inf")))
+        q_rows, own = q[:entries].index_select(2, pos), scale
+        if isinstance(scale, Tensor):  # a per-head scale (probe.scaling): on q, as the override runs it
+            q_rows, own = q_rows * scale.to(q_rows.dtype).reshape(-1, 1, 1), 1.0
+        return F.scaled_dot_product_attention(q_rows, k[:entries], v[:entries], rows, scale=own,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+    return rerun
+
+
 def sdpa_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Optional[Tensor]) -> Optional[AttentionCall]:
     """Normalize one SDPA call's arguments; ``None`` when it is not a tensor call we understand."""
     b = bind_sdpa(args, kwargs)
@@ -66,9 +96,14 @@ def sdpa_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Optional[Te
     # a 3-D or 5-D layout is recorded as a 4-D view: hooks go on the model's own tensors
     own = {"q": q, "k": k, "v": v, "output": output}
     grad_of = {n: (t, _to_4d) for n, t in own.items() if isinstance(t, Tensor) and t.dim() not in (4,) and t.dim() >= 3}
+    causal = bool(b.get("is_causal", False))
+    rerun = None
+    if float(b.get("dropout_p") or 0.0) > 0.0:  # the output carries dropout: check against a rerun without it
+        raw = b.get("attn_mask") if isinstance(b.get("attn_mask"), Tensor) else None
+        rerun = rerun_rows(q4, k4, v4, raw, causal, b.get("scale"))
     return AttentionCall(
-        q=q4, k=k4, v=v4, scale=scale, bias=bias, mask=mask, causal=bool(b.get("is_causal", False)),
-        output=out, kind="sdpa", grad_of=grad_of or None,
+        q=q4, k=k4, v=v4, scale=scale, bias=bias, mask=mask, causal=causal,
+        output=out, kind="sdpa", grad_of=grad_of or None, rerun=rerun,
     )
 
 
