@@ -13,14 +13,30 @@ import copy
 import json
 import math
 import os
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Union
 
 import numpy as np
 
 from probe.errors import ProbeError
 from probe.files import atomic_write, read_regular_file
+from probe.metrics import METRICS
 
-__all__ = ["SUMMARY_FILE", "Summary", "format_estimate", "json_number"]
+__all__ = ["SCALE_FREE", "SUMMARY_FILE", "Account", "Summary", "format_estimate", "json_number"]
+
+#: Metrics without a scale: reported under ``actual``.
+SCALE_FREE = frozenset({"nonfinite", "grad_q", "grad_k", "grad_v"})
+#: The reason of a gradient metric that no explanation covers.
+_NO_BACKWARD = ("no backward pass reached it on a sampled step (inference, grads=False, or no backward yet)")
+
+
+class Account(NamedTuple):
+    """One value of a site: ``status`` is ``"measured"``, ``"estimated"`` (from sampled query
+    rows: ``note`` says how many) or ``"not measured"`` (``note`` says why)."""
+
+    metric: str
+    scale: str
+    status: str
+    note: str = ""
 
 #: The file name a probe writes into its logdir (refreshed as the run goes, final on close).
 SUMMARY_FILE = "probe_summary.json"
@@ -231,6 +247,49 @@ class Summary:
         if not sampled:
             return "est." if any(m.endswith("_se") for m in self._site(site)["metrics"]) else None
         return f"est., {sampled[0]} of {sampled[1]} rows"
+
+    def accounting(self, site: str) -> List[Account]:
+        """Every value of ``site``, metric by metric and scale by scale (the run's scales,
+        ``meta["scales"]``; scale-free metrics at ``actual``): measured, estimated, or not
+        measured with the reason (the site's ``info["not_measured"]``: an unverified
+        reconstruction, an unknown scale, a gradient that never came and why).
+
+        Example:
+            >>> [a for a in s.accounting("layers.0.attn") if a.status == "not measured"]
+            [Account('grad_k', 'actual', 'not measured', 'k does not require grad here (...)')]
+        """
+        entry = self._site(site)
+        info, metrics = entry["info"], entry["metrics"]
+        why_not: Mapping[str, str] = info.get("not_measured") or {}
+        scales = list(self.meta.get("scales") or ("actual", "unscaled", "standard"))
+        for by_scale in metrics.values():
+            scales += [sc for sc in by_scale if sc not in scales]
+        sampled = info.get("sampled")
+        estimate = f"estimated from {sampled[0]} of {sampled[1]} query rows" if sampled else "estimated"
+        out: List[Account] = []
+        for spec in METRICS:
+            name = spec.name
+            if name.endswith("_se"):
+                continue  # a standard error goes with its metric
+            for scale in ("actual",) if name in SCALE_FREE else scales:
+                have = metrics.get(name, {})
+                if scale in have:
+                    est = scale in metrics.get(f"{name}_se", {})
+                    out.append(Account(name, scale, "estimated" if est else "measured", estimate if est else ""))
+                    continue
+                why = (why_not.get(f"{name}@{scale}") or why_not.get(name) or why_not.get(f"@{scale}")
+                       or (_NO_BACKWARD if spec.backward else "not produced at this site"))
+                out.append(Account(name, scale, "not measured", why))
+        return out
+
+    def not_measured(self, site: str) -> Dict[str, List[str]]:
+        """What ``site`` does not report, grouped by reason: ``{why: ["metric@scale", ...]}``
+        (scale-free metrics without ``@``); empty when every value is measured or estimated."""
+        out: Dict[str, List[str]] = {}
+        for a in self.accounting(site):
+            if a.status == "not measured":
+                out.setdefault(a.note, []).append(a.metric if a.metric in SCALE_FREE else f"{a.metric}@{a.scale}")
+        return out
 
     # -- JSON ----------------------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:

@@ -29,7 +29,7 @@ Reentrant activation checkpointing runs the forward under ``no_grad`` and again 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Hashable, List, Optional
+from typing import Any, Callable, Dict, Hashable, List, Optional
 
 import torch
 from torch import Tensor
@@ -125,6 +125,8 @@ class BackwardHooks:
         self._warn = warn
         self._handles: List[RemovableHandle] = []
         self.step: Optional[int] = None
+        #: the last :meth:`register`'s plan: "logits", "q", "k", "v" → None (hooked) or why not
+        self.last_plan: Dict[str, Optional[str]] = {}
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -139,6 +141,7 @@ class BackwardHooks:
         call whose scale is unknown and that carries no logits gets no output hook (its logits
         cannot be rebuilt).
         """
+        self.last_plan = {}
         if not torch.is_grad_enabled():
             return 0
         before = len(self._handles)
@@ -150,7 +153,15 @@ class BackwardHooks:
             source = probs  # an eager softmax output: its gradient is dP itself, dropout included
         elif isinstance(own_out, Tensor) and own_out.requires_grad and call.v is not None:
             source, source_fn = own_out, out_fn  # its gradient ∂L/∂out gives dP = ∂L/∂out · vᵀ
+        plan = self.last_plan  # why a gradient metric will not come (None: hooked)
+        if source is None:
+            plan["logits"] = ("its output does not require grad (no parameter or input that requires grad "
+                              "reaches it)") if call.v is not None or probs is not None else (
+                              "no P·v was seen after its softmax (no output to hook)")
+        elif call.scale is None and call.logits is None:
+            plan["logits"] = "its logits cannot be rebuilt (scale unknown)"
         if source is not None and (call.scale is not None or call.logits is not None):
+            plan["logits"] = None
             # A slim copy of the record: detached tensors, no reference to the hooked tensor
             # itself (it holds the hook; a reference back would make a cycle only GC can free).
             record = AttentionCall(
@@ -165,10 +176,21 @@ class BackwardHooks:
         sources = call.grad_of or {}
         targets = {name: sources.get(name, (t, None)) for name, t in (("q", call.q), ("k", call.k), ("v", call.v))}
         for name, (t, fn) in targets.items():
-            if not isinstance(t, Tensor) or not t.requires_grad:
+            if not isinstance(t, Tensor):
+                plan[name] = (f"its {name} was not recorded (probabilities that met no P·v probe follows, or an "
+                              "eager call recorded at its softmax because its scale is unknown)")
                 continue
-            if any(other is t for other_name, (other, _) in targets.items() if other_name != name):
+            if not t.requires_grad:
+                plan[name] = ("the tensor does not require grad there (computed from frozen weights and inputs: e.g. "
+                              "a base model frozen under a LoRA adapter, or the first layer's projection of a "
+                              "frozen embedding)")
                 continue
+            shared = [other_name for other_name, (other, _) in targets.items() if other_name != name and other is t]
+            if shared:
+                plan[name] = (f"{name} is the same tensor as {' and '.join(shared)}: autograd gives only their "
+                              "summed gradient")
+                continue
+            plan[name] = None
             self._handles.append(t.register_hook(self._input_hook(name, key, step, fn)))
         return len(self._handles) - before
 

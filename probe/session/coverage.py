@@ -42,6 +42,11 @@ class Row:
     scale_source: Optional[str] = None
     grads: Tuple[str, ...] = ()
     why: str = ""  # why it is not captured, or what is wrong with it
+    #: whether probe's reconstruction matched what the model computed (None: it could not be checked)
+    verified: Optional[bool] = None
+    verification: str = ""  # what the check compared, and how closely
+    #: values the site does not report, by reason (``Summary.not_measured``)
+    not_measured: Dict[str, List[str]] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -59,16 +64,22 @@ class Coverage:
         """Sites with an attention probe does not report (or reports under another module's name)."""
         return [r for r in self.rows if not r.captured]
 
+    @property
+    def unverified(self) -> List[Row]:
+        """Captured sites whose reconstruction did not match what the model computed."""
+        return [r for r in self.rows if r.captured and r.verified is False]
+
     def to_dict(self) -> Dict[str, Any]:
         return {"rows": [r.to_dict() for r in self.rows], "backward": self.backward}
 
     def __str__(self) -> str:
-        head = ("site", "captured", "front end", "scale", "scale from", "gradient metrics")
+        head = ("site", "captured", "verified", "front end", "scale", "scale from", "gradient metrics")
         lines = [head]
         for r in self.rows:
             scale = _fmt_scale(r.scale)
             grads = ", ".join(g[5:] for g in r.grads) if r.grads else ("-" if self.backward else "(no backward)")
-            lines.append((r.site, "yes" if r.captured else "NO", r.front_end or "-", scale,
+            verified = "-" if not r.captured else {True: "yes", False: "NO", None: "unchecked"}[r.verified]
+            lines.append((r.site, "yes" if r.captured else "NO", verified, r.front_end or "-", scale,
                           r.scale_source or "-", grads))
         widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
         out = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
@@ -76,9 +87,34 @@ class Coverage:
         for r in self.rows:
             if r.why:
                 out.append(f"{r.site}: {r.why}")
+            if r.captured and r.verified is not True and r.verification:
+                out.append(f"{r.site}: {'UNVERIFIED' if r.verified is False else 'verification'}: {r.verification}")
+            for why, values in r.not_measured.items():
+                out.append(f"{r.site}: not measured: {_compact(values)}: {why}")
         captured = sum(r.captured for r in self.rows)
-        out.append(f"{captured} of {len(self.rows)} attention sites captured")
+        verified = sum(r.captured and r.verified is True for r in self.rows)
+        if not self.rows:
+            out.append("no attention ran in this forward (0 attention sites)")
+        else:
+            out.append(f"{captured} of {len(self.rows)} attention sites captured, {verified} verified against the "
+                       "model's own computation")
         return "\n".join(out)
+
+
+def _compact(values: List[str]) -> str:
+    """``metric@scale`` names, a metric missing at every listed scale once as ``metric``."""
+    by_metric: Dict[str, List[str]] = {}
+    for v in values:
+        metric, _, scale = v.partition("@")
+        by_metric.setdefault(metric, []).append(scale)
+    scales = {s for ss in by_metric.values() for s in ss if s}
+    parts = []
+    for metric, ss in by_metric.items():
+        if not ss[0] or len(scales) <= 1 or set(ss) == scales:
+            parts.append(metric if not ss[0] or set(ss) == scales and len(scales) > 1 else f"{metric}@{ss[0]}")
+        else:
+            parts.append(", ".join(f"{metric}@{x}" for x in ss))
+    return ", ".join(parts)
 
 
 def _fmt_scale(scale: Any) -> str:
@@ -112,7 +148,22 @@ def _backward(out: Any, model: nn.Module) -> bool:
         return False
     g = torch.Generator().manual_seed(0)
     loss = sum((t.float() * torch.randn(t.shape, generator=g).to(t.device)).sum() for t in outputs)
-    torch.autograd.grad(loss, params, allow_unused=True)
+    try:
+        torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
+    except RuntimeError as err:
+        if "use_reentrant" not in str(err):
+            raise
+        # reentrant activation checkpointing refuses autograd.grad: a plain backward into fresh
+        # .grad tensors, then the parameters' own .grad put back untouched (hooks that act on
+        # accumulated gradients, an optimizer stepping inside backward, would see this one)
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            loss.backward()
+        finally:
+            for p, grad in zip(params, saved):
+                p.grad = grad
     return True
 
 
@@ -154,10 +205,10 @@ def coverage(model: nn.Module, *args: Any, backward: bool = True, **kwargs: Any)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             p.close()
-    return Coverage(rows=_rows(p.audit_events, summary), backward=ran_backward)
+    return Coverage(rows=_rows(p.audit_events, summary, ran_backward), backward=ran_backward)
 
 
-def _rows(events: List[Event], summary: Any) -> List[Row]:
+def _rows(events: List[Event], summary: Any, backward: bool = True) -> List[Row]:
     rows: Dict[str, Row] = {}
     for event in events:
         site = event.reported if event.reported is not None else event.module
@@ -175,10 +226,15 @@ def _rows(events: List[Event], summary: Any) -> List[Row]:
             row.captured = False
             row.why = row.why or event.why
         row.front_end = row.front_end or event.front_end
+    for site in summary.sites:  # a site the audit did not find is reported all the same
+        rows.setdefault(site, Row(site=site, captured=True))
     for site, row in rows.items():
         if site not in summary.sites:
             continue
         info = summary.info(site)
+        row.verified, row.verification = info.get("verified"), info.get("verification") or ""
+        row.not_measured = {why: values for why, values in summary.not_measured(site).items()
+                            if backward or not all(v.startswith("grad_") for v in values)}
         row.front_end = info.get("kind", row.front_end)
         row.scale = info.get("scale")
         row.d_k = info.get("d_k")
@@ -246,7 +302,7 @@ def _cmd_coverage(args: Any) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.to_dict(), f, indent=2)
-    return 1 if report.missed else 0
+    return 1 if report.missed or report.unverified else 0
 
 
 def add_commands(sub: Any) -> None:

@@ -19,24 +19,21 @@ import torch
 from torch import Tensor, nn
 
 from probe.call import AttentionCall, Scale
-from probe.capture.grads import BackwardHooks
 from probe.capture.mode import ModuleStack
 from probe.once import WarnOnce
 from probe.errors import ProbeError
 from probe.session.empty_steps import EmptySteps
+from probe.session.grad_hooks import AddFields, GradHooks, grad_scales
 from probe.session.options import ExtraScale, scale_value
-from probe.session.recompute import Recompute
+from probe.session.verify import Verifier, warn_once_per_site
 from probe.state.accumulator import GRAD_STEPS, Accumulator, State
 from probe.state.writer import Window, to_host
 from probe.stats.functional import forward_stats, sample_rows
-from probe.stats.grads import grad_logits_stats, head_sq
 from probe.stats.masks import simplify
 
 __all__ = ["GradHooks", "Recorder", "SiteInfo", "SiteKey", "grad_scales"]
 
 SiteKey = Tuple[str, int]  # (module name, call index within one invocation)
-#: ``add(site_key, step, fields)``: folds backward fields into the running state.
-AddFields = Callable[[Hashable, int, Dict[str, Tensor]], None]
 
 
 @dataclasses.dataclass
@@ -71,6 +68,8 @@ class SiteInfo:
     grad_kv_heads: Optional[int] = None
     scale_from: Optional[str] = None
     scale_unknown: Optional[str] = None
+    verified: Optional[bool] = None
+    verification: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON form (optional fields only when set)."""
@@ -80,83 +79,9 @@ class SiteInfo:
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
+        if self.verification is not None:
+            out["verified"], out["verification"] = self.verified, self.verification
         return out
-
-
-def grad_scales(call: AttentionCall, scales: Mapping[str, Optional[Scale]]) -> Dict[str, Optional[Scale]]:
-    """The scales ``grad_logits`` is measured at: every scale of a call whose scale is known;
-    ``actual`` only (from the call's own logits) when it is not."""
-    if call.scale is None:
-        return {"actual": None} if call.logits is not None else {}
-    if call.scale_unknown is not None:
-        return {"actual": scales["actual"]}
-    return {name: value for name, value in scales.items() if value is not None}
-
-
-class GradHooks:
-    """Backward hooks whose gradients are reduced to backward statistics.
-
-    ``register(call, key, step, scales, budget)`` hooks one call; each gradient becomes fields
-    ``grad_logits_sq@{scale}`` (:func:`probe.stats.grads.grad_logits_stats`) and
-    ``grad_{q,k,v}_sq`` (:func:`probe.stats.grads.head_sq`), handed to ``add(key, step, fields)``.
-
-    Args:
-        add: receives ``(site key, step, fields)`` from inside backward.
-        warn: receives a message when a backward reduction fails.
-    """
-
-    def __init__(self, add: AddFields, warn: Callable[[str], None]) -> None:
-        self._add = add
-        self.hooks = BackwardHooks(self._on_logits, self._on_input, warn)
-        self.recompute = Recompute(self.hooks.register)
-        #: Whether the current root forward began with grad enabled (set by the profiler).
-        self.root_grad = False
-        self._budget = 64 * 2**20  # memory_budget of the hooked calls (head_sq's chunks)
-
-    def __len__(self) -> int:
-        return len(self.hooks)
-
-    @property
-    def step(self) -> Optional[int]:
-        """The step whose backward the registered hooks wait for (``None``: no hook)."""
-        return self.hooks.step
-
-    def register(self, call: AttentionCall, key: Hashable, step: int, scales: Mapping[str, Optional[Scale]],
-                 budget_bytes: int, rows: Optional[Tensor] = None) -> int:
-        """Hook one call; ``rows``: the sampled query positions its forward statistics used
-        (``None``: every row), for the ``grad_logits`` estimate (:func:`grad_logits_stats`)."""
-        self._budget = budget_bytes
-        return self.hooks.register(call, key, step, (grad_scales(call, scales), budget_bytes, rows))
-
-    def defer(self, module: nn.Module, key: SiteKey, step: int,
-              scales_for: Callable[[AttentionCall], Mapping[str, Optional[Scale]]], budget_bytes: int,
-              frontends: Sequence[Any]) -> None:
-        def payload(call: AttentionCall) -> Tuple[Dict[str, Optional[Scale]], int, None]:
-            return grad_scales(call, scales_for(call)), budget_bytes, None  # recomputed: every row
-
-        self.hooks.step = step
-        self._budget = budget_bytes
-        self.recompute.defer(module, key, step, frontends, payload)
-
-    def remove(self) -> None:
-        """Remove every hook (tensor and module hooks; harmless twice)."""
-        self.recompute.remove()
-        self.hooks.remove()
-
-    def _on_logits(self, record: AttentionCall, key: Hashable, step: int, payload: Any, grad: Tensor,
-                   from_probs: bool) -> None:
-        scales, budget, rows = payload
-        if not scales:
-            return
-        if from_probs:
-            fields = grad_logits_stats(record, None, scales, budget, grad_probs=grad, rows=rows)
-        else:
-            fields = grad_logits_stats(record, grad, scales, budget, rows=rows)
-        if fields:
-            self._add(key, step, fields)
-
-    def _on_input(self, name: str, key: Hashable, step: int, grad: Tensor) -> None:
-        self._add(key, step, {f"grad_{name}_sq": head_sq(grad, self._budget)})
 
 
 class Recorder:
@@ -196,7 +121,7 @@ class Recorder:
         self._grad_step: Dict[Hashable, int] = {}  # per site, the last step whose backward was counted
         self.step = 0
         self.emitted = 0  # attention calls seen, to detect a compiled graph that hides them
-        self.grad_hooks = GradHooks(self._add_grads, warn)
+        self.grad_hooks = GradHooks(self._add_grads, warn, self.site_name)
         self._warn_unknown_scale = WarnOnce()
         self._warn_scale = warn
         self.observer: Optional[Callable[[AttentionCall, str], None]] = None  # probe.coverage's audit
@@ -205,6 +130,7 @@ class Recorder:
         #: may run on another thread (a dashboard) while training records, and backward hooks
         #: may run on autograd's device threads.
         self.lock = threading.RLock()
+        self.verifier = Verifier(memory_budget, warn_once_per_site())  # each site's record checked
 
     def scales_for(self, call: AttentionCall) -> Dict[str, Scale]:
         scales: Dict[str, Scale] = {"actual": call.scale, "unscaled": 1.0, "standard": call.standard_scale}
@@ -253,6 +179,7 @@ class Recorder:
         length = call.q.shape[2]
         # the query rows of the exponential metrics, forward and backward (None: every row)
         rows = None if self.rows is None or length <= self.rows else self._sample(call.site, length)
+        key = (name, index)
         with torch.no_grad():
             if call.logits is not None:  # an eager softmax whose scale is unknown: `actual` only
                 fields = self._unknown_scale_stats(call)
@@ -263,12 +190,16 @@ class Recorder:
                 # the statistics take their fast paths, and the backward's record holds the small
                 # key mask instead of the model's L × S one (probe.stats.masks)
                 call = simplify(call, self.memory_budget)
-                fields = forward_stats(call, scales, self.saturation, self.memory_budget, rows=rows)
+                # the record checked against what the model computed (probe.session.verify)
+                if self.verifier.verify(key, call, self.step) is not None and self.verifier.unverified(key):
+                    scales = {}  # nothing from the reconstruction: no counterfactual scale, no grad_logits
+                    fields = self.verifier.fallback_fields(call, self.saturation)
+                else:
+                    fields = forward_stats(call, scales, self.saturation, self.memory_budget, rows=rows)
         if not fields:
             return
-        if isinstance(call.scale, Tensor):
+        if isinstance(call.scale, Tensor) and scales:
             fields["scale"] = call.scale.detach().reshape(-1).expand(call.heads).to(fields["rows"].dtype)
-        key = (name, index)
         with self.lock:
             self.acc.add(key, fields)
             self._update_info(key, call)
@@ -276,13 +207,16 @@ class Recorder:
             self.grad_hooks.register(call, key, self.step, scales, self.memory_budget, rows)
         elif self.grads and self.grad_hooks.root_grad:  # no_grad inside a training forward: reentrant checkpoint
             module = self.model.get_submodule(name) if name != "root" else self.model
-            self.grad_hooks.defer(module, key, self.step, self.scales_for, self.memory_budget, self.frontends)
+            scales_for = (lambda c: {}) if not scales else self.scales_for
+            self.grad_hooks.defer(module, key, self.step, scales_for, self.memory_budget, self.frontends)
 
     def forward_end(self, step: int, calls: int, auto: bool, output: Any, compiled: bool = False) -> None:
         """A captured root forward of ``step`` ended, having emitted ``calls`` attention calls
         (``auto``: automatic steps, one forward per step; ``compiled``: the root runs compiled or
         scripted code); ``output`` is its result."""
         self.empty_steps.forward_end(step, calls, auto, compiled)
+        if self.grads and calls:
+            self.grad_hooks.watch_backward(output, step)  # whether a backward ran: missing gradients named after it
 
     def _sample(self, site: str, length: int) -> Tensor:
         """The stratified query positions of one call (probe.stats.sampling), seeded by the site,
@@ -309,6 +243,14 @@ class Recorder:
             info.scale = None if call.scale is None else float(call.scale)
         if call.scale_unknown is not None:
             info.scale, info.scale_unknown = None, call.scale_unknown
+        verdict = self.verifier.verdicts.get(key)
+        if verdict is not None:
+            told = verdict.info()
+            info.verified, info.verification = told["verified"], told["verification"]
+            if verdict.status == "mismatch":
+                info.scale = None  # no scale is attributed to a record that does not match the model
+        elif call.logits is not None:
+            info.verified, info.verification = True, "measured from the model's own softmax input"
         info.calls += 1
 
     def _warn_unknown(self, call: AttentionCall) -> None:
@@ -342,9 +284,18 @@ class Recorder:
                 info.grad_kv_heads = info.kv_heads  # grad_k / grad_v have one value per kv head
 
     def info_dicts(self) -> Dict[SiteKey, Dict[str, Any]]:
-        """The site infos in their JSON form (copies)."""
+        """The site infos in their JSON form (copies), with ``not_measured``: what the site does
+        not report and why (:meth:`not_measured`)."""
+        self.verifier.resolve()
+        self.grad_hooks.settle()  # the reasons of a backward that is over (warned when its step ends)
+        out = {}
         with self.lock:
-            return {key: info.to_dict() for key, info in self.infos.items()}
+            for key, info in self.infos.items():
+                entry = out[key] = info.to_dict()
+                missing = self.not_measured(key, info)
+                if missing:
+                    entry["not_measured"] = missing
+        return out
 
     def begin_forward(self, step: int) -> None:
         """A root forward of ``step`` begins: the hooks of an earlier step's backward go (it is
@@ -400,3 +351,22 @@ class Recorder:
                 return None
             names = {key: self.site_name(key) for key, _, _ in layout}
         return Window(step, steps or [step], flat, event, layout, names, infos)
+
+    def not_measured(self, key: SiteKey, info: SiteInfo) -> Dict[str, str]:
+        """Values the site does not report, and why: ``{"metric": why}`` (at every scale),
+        ``{"metric@scale": why}`` or ``{"@scale": why}`` (every metric at that scale)
+        (:meth:`probe.summary.Summary.accounting` reads them)."""
+        out: Dict[str, str] = {}
+        counterfactual = ["unscaled", "standard", *self.extra_scales]
+        verdict = self.verifier.verdicts.get(key)
+        if verdict is not None and verdict.status == "mismatch":
+            why = "unverified: probe's reconstruction does not match the model's computation (info 'verification')"
+            out.update({f"@{s}": why for s in counterfactual})
+            out.update({m: why for m in ("logit_var", "logit_max", "nonfinite", "grad_logits")})
+            if info.kind != "eager":  # no probabilities of the model's own to fall back on
+                out.update({m: why for m in ("entropy", "max_prob", "saturation")})
+        elif info.scale_unknown is not None or info.verification == "measured from the model's own softmax input":
+            why = f"scale unknown ({info.scale_unknown or 'an op probe does not model touched the scores'}): `actual` only"
+            out.update({f"@{s}": why for s in counterfactual})
+        out.update(self.grad_hooks.ledger.reasons.get(key, {}))
+        return out
