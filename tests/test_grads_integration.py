@@ -276,7 +276,7 @@ def test_frozen_no_grad_block_inside_a_training_forward_gets_no_grad_metrics_and
 
 # -- failures ----------------------------------------------------------------------------------
 def test_a_failing_backward_reduction_warns_and_leaves_training_intact(monkeypatch):
-    import probe.session.recorder as capture_grads  # the recorder computes backward statistics
+    import probe.session.grad_hooks as capture_grads  # the recorder's hooks compute backward statistics
 
     def boom(*args, **kwargs):
         raise RuntimeError("reduction exploded")

@@ -77,6 +77,7 @@ def test_site_names_are_qualified_module_names():
         model(input_ids=torch.randint(0, 64, (1, 5)))
     assert p.summary().sites == ["encoder.layer.0.attention.self", "encoder.layer.1.attention.self"]
     info = p.summary().info("encoder.layer.0.attention.self")
+    assert info.pop("verified") is True and info.pop("verification").startswith("its output, against P·v")
     assert info == {"kind": "sdpa", "heads": 4, "kv_heads": 4, "d_k": 8, "scale": pytest.approx(8**-0.5), "calls": 1}
 
 

@@ -144,12 +144,12 @@ def test_head_sq_upcasts_chunks_of_rows_not_the_whole_gradient(monkeypatch):
 
 def test_recorder_hands_the_memory_budget_to_head_sq(monkeypatch):
     import probe
-    import probe.session.recorder
+    import probe.session.grad_hooks
     from tests.helpers import SDPAAttention
 
     budgets = []
-    real = probe.session.recorder.head_sq
-    monkeypatch.setattr(probe.session.recorder, "head_sq", lambda g, budget: budgets.append(budget) or real(g, budget))
+    real = probe.session.grad_hooks.head_sq
+    monkeypatch.setattr(probe.session.grad_hooks, "head_sq", lambda g, budget: budgets.append(budget) or real(g, budget))
     model = SDPAAttention(d_model=16, heads=2)
     with probe.watch(model, every=1, memory_budget=123_456):
         model(torch.randn(2, 5, 16)).sum().backward()
