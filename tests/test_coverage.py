@@ -34,8 +34,8 @@ class Attn(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v)
         else:
             s = q @ k.transpose(-1, -2) * 0.5
-            if self.mode == "permute":  # an op the eager front end does not follow
-                s = s.permute(0, 1, 3, 2).permute(0, 1, 3, 2)
+            if self.mode == "flatten":  # an op after which the eager front end cannot tell the keys
+                s = s.flatten(2).unflatten(2, (n, n))
             if self.mode == "script":
                 s = _scripted(s)
             if self.mode == "conv":  # talking heads as a 1x1 convolution over the heads
@@ -88,10 +88,10 @@ def test_captured_sites_front_end_scale_and_grads() -> None:
 
 def test_a_miss_is_listed_with_the_op_that_lost_it() -> None:
     torch.manual_seed(0)
-    report = coverage(Net(["plain", "permute"]), x())
+    report = coverage(Net(["plain", "flatten"]), x())
     missed = report.missed
     assert [r.site for r in missed] == ["layers.1"]
-    assert "`permute`" in missed[0].why
+    assert "`flatten`" in missed[0].why
     assert "1 of 2 attention sites captured" in str(report)
 
 
@@ -117,7 +117,7 @@ def test_no_backward() -> None:
 
 def test_model_left_as_it_was() -> None:
     torch.manual_seed(0)
-    model = Net(["plain", "sdpa", "permute"]).train()
+    model = Net(["plain", "sdpa", "flatten"]).train()
     before = module_state(model)
     with torch.no_grad():
         expected = model.eval()(x())
@@ -188,7 +188,7 @@ def test_cli(tmp_path, capsys) -> None:
 
         def missed():
             torch.manual_seed(0)
-            return Net(["plain", "permute"]), (torch.randn(2, 5, 16),), {}
+            return Net(["plain", "flatten"]), (torch.randn(2, 5, 16),), {}
 
         def model_only():
             return Net(["plain"])
@@ -197,7 +197,7 @@ def test_cli(tmp_path, capsys) -> None:
     assert "1 of 1 attention sites captured" in capsys.readouterr().out
     assert (tmp_path / "r.json").read_text().startswith("{")
     assert main(["coverage", f"{target}:missed"]) == 1
-    assert "layers.1: the scores were lost at `permute`" in capsys.readouterr().out
+    assert "layers.1: the scores were lost at `flatten`" in capsys.readouterr().out
     assert main(["coverage", f"{target}:model_only"]) == 2
     assert "example inputs" in capsys.readouterr().err
     assert main(["coverage", "no_colon"]) == 2
@@ -207,8 +207,8 @@ def test_cli(tmp_path, capsys) -> None:
 
 def test_watch_warns_once_per_missed_attention_on_the_first_sampled_forward() -> None:
     torch.manual_seed(0)
-    model = Net(["plain", "permute", "sdpa"])
-    with pytest.warns(UserWarning, match=r"attention at 'layers.1' is NOT measured: the scores were lost at `permute`"):
+    model = Net(["plain", "flatten", "sdpa"])
+    with pytest.warns(UserWarning, match=r"attention at 'layers.1' is NOT measured: the scores were lost at `flatten`"):
         with probe.watch(model) as p:
             model(x())
     assert p.summary().sites == ["layers.0", "layers.2"]
