@@ -14,9 +14,13 @@ Rules (a taint follows the scores from the product to the softmax):
   from them or from factories (position tables, masks, ``arange``), anything else is an activation;
 * every other op whose tensor inputs carry a taint passes it on (views, reshapes, masks, biases,
   floors, clamps, ``torch.max``, indexing, in-place writes into another tensor...), except
-  contractions with constants that consume the key dim (``F.linear``, ``scores @ W``), which end
-  it; a linear mix over heads (talking heads: ``einsum("bhij,hg->bgij")``, a 1x1 convolution)
-  passes it on;
+  contractions with constants that consume the key dim (``F.linear`` over the keys, ``scores @
+  W``), which end it; a linear mix over heads (talking heads: ``einsum("bhij,hg->bgij")``, a 1x1
+  convolution, an ``nn.Linear`` over the heads of permuted scores) passes it on;
+* a softmax spelled out is an event at the op that completes it: ``exp`` of log-probabilities
+  (``log_softmax(x)``, ``x - logsumexp(x)``), ``e / e.sum(-1)`` of an ``e = exp(scores)``
+  (:mod:`probe.capture.audit_taint`: the same op vocabulary as the eager tracer,
+  :mod:`probe.capture.ops`);
 * a tensor produced where the audit could not see (a TorchScript function, a C++ extension) has
   no taint; with autograd on, a softmax input whose graph reaches a tainted tensor within a few
   nodes is still an event ("went through code probe cannot see");
@@ -30,90 +34,20 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from probe.capture.audit_taint import (ATTENTION, CUTS, DIV, EXP, GRAPH_CUTS, GRAPH_DEPTH, LOG_SOFTMAX, PRODUCTS,
+                                       SOFTMAX, WRAPPERS, Event, Taint, keeps_scores, operands, step, tensors_in)
+from probe.capture.ops import name_of
+
 __all__ = ["Audit", "Event"]
 
-_TB = torch._C.TensorBase
-
-
-def _methods(*names: str) -> List[Any]:
-    return [getattr(cls, n) for n in names for cls in (_TB, Tensor) if hasattr(cls, n)]
-
-
-_PRODUCTS = frozenset([*_methods("matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm"),
-                       torch.matmul, torch.bmm, torch.baddbmm, torch.einsum])
-_SOFTMAX = frozenset([*_methods("softmax", "log_softmax"), torch.softmax, F.softmax, torch.log_softmax, F.log_softmax])
-_CUTS = frozenset([F.linear, F.bilinear, F.embedding])  # a convolution over heads (talking heads) keeps scores
-_ATTENTION = {F.scaled_dot_product_attention: "sdpa", F.multi_head_attention_forward: "mha"}
-#: parameterless torch.nn leaves that only wrap a function: an event inside belongs to the parent
-_WRAPPERS = (nn.Softmax, nn.LogSoftmax, nn.Dropout, nn.Identity)
-#: how far back the autograd graph is searched for scores that went through unseen code
-_GRAPH_DEPTH = 24
-#: autograd nodes of contractions with weights: the search stops there (what lies behind is
-#: not scores any more: a linear layer over the attention output, an embedding lookup)
-_GRAPH_CUTS = frozenset({"AddmmBackward0", "MmBackward0", "ConvolutionBackward0", "EmbeddingBackward0",
-                         "LinearBackward0", "AccumulateGrad"})
-
-
-@dataclasses.dataclass(frozen=True)
-class _Taint:
-    ops: Tuple[str, ...]  # op names since the product (the product first)
-    lost_at: Optional[str] = None  # the first op after which capture had no record of the scores
-    shapes: str = ""  # the product's operand shapes
-
-
-@dataclasses.dataclass
-class Event:
-    """One attention the audit saw: a softmax over product-derived scores, or an attention op."""
-
-    module: str
-    kind: str  # "softmax", "sdpa", "mha"
-    ops: Tuple[str, ...] = ()
-    lost_at: Optional[str] = None
-    shapes: str = ""
-    unseen: bool = False  # the scores reached the softmax through code the audit could not see
-    dim: Optional[int] = None  # a softmax over another dim than the last (the keys)
-    reported: Optional[str] = None  # the site probe reported it under
-    front_end: Optional[str] = None
-
-    @property
-    def why(self) -> str:
-        """Why capture did not report this event (only meaningful when ``reported`` is None)."""
-        if self.unseen:
-            return ("the scores reached the softmax through code probe cannot see (a TorchScript function or "
-                    "a C++ extension)")
-        if self.kind != "softmax":
-            return f"the {self.kind} call was not understood"
-        if self.dim is not None:
-            return f"a softmax over dim {self.dim}, not over the keys (the last dim)"
-        chain = " -> ".join(self.ops)
-        if self.lost_at is None:
-            return f"not recognised ({chain} -> softmax)"
-        if self.lost_at == self.ops[0]:
-            return f"`{self.ops[0]}` of {self.shapes} was not taken as q·kᵀ ({chain} -> softmax)"
-        return f"the scores were lost at `{self.lost_at}` ({chain} -> softmax)"
-
-
-def _name(func: Any) -> str:
-    return getattr(func, "__name__", None) or repr(func)
-
-
-def _tensors(x: Any) -> Iterator[Tensor]:
-    if isinstance(x, Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for item in x:
-            yield from _tensors(item)
-    elif isinstance(x, dict):
-        for item in x.values():
-            yield from _tensors(item)
+_name = name_of
 
 
 class Audit(TorchFunctionMode):
@@ -135,10 +69,10 @@ class Audit(TorchFunctionMode):
         from probe.capture.mode import site_names
 
         self._names = site_names(model)
-        self._wrappers = {id(m) for m in model.modules() if isinstance(m, _WRAPPERS)}
+        self._wrappers = {id(m) for m in model.modules() if isinstance(m, WRAPPERS)}
         self._consts: Set[int] = {id(t) for t in (*model.parameters(), *model.buffers())}
         self._const_refs: Dict[int, weakref.ref] = {}
-        self._taints: Dict[int, Tuple[weakref.ref, _Taint]] = {}
+        self._taints: Dict[int, Tuple[weakref.ref, Taint]] = {}
         self._graph: Dict[Any, None] = {}  # grad_fn of tainted tensors (autograd on)
         self._followed = followed
         self._stack: List[str] = ["root"]
@@ -232,13 +166,13 @@ class Audit(TorchFunctionMode):
                 del table[key]
         table[key] = weakref.ref(t, drop)
 
-    def _taint(self, t: Any) -> Optional[_Taint]:
+    def _taint(self, t: Any) -> Optional[Taint]:
         if not isinstance(t, Tensor):
             return None
         entry = self._taints.get(id(t))
         return entry[1] if entry is not None and entry[0]() is t else None
 
-    def _set(self, t: Tensor, taint: _Taint) -> None:
+    def _set(self, t: Tensor, taint: Taint) -> None:
         if not t.is_floating_point():
             return
         if taint.lost_at is None and self._followed is not None and not self._followed(t):
@@ -263,17 +197,58 @@ class Audit(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling() or self._quiet():
             return func(*args, **kwargs)
-        kind = _ATTENTION.get(func)
+        kind = ATTENTION.get(func)
         if kind is not None:
             return self._attention_op(func, kind, args, kwargs)
-        if func in _SOFTMAX:
+        if func in SOFTMAX or func in LOG_SOFTMAX:
             return self._softmax(func, args, kwargs)
+        with torch._C.DisableTorchFunction():  # the audit's own reads of tensors are not the model's ops
+            try:
+                event = self._spelled(func, args, kwargs)
+            except Exception:  # noqa: BLE001 - the audit never breaks the model
+                event = None
+        if event is not None:
+            return self._around(event, func, args, kwargs)
         out = func(*args, **kwargs)
-        try:
-            self._follow(func, args, kwargs, out)
-        except Exception:  # noqa: BLE001 - the audit never breaks the model
-            pass
+        with torch._C.DisableTorchFunction():
+            try:
+                self._follow(func, args, kwargs, out)
+            except Exception:  # noqa: BLE001 - the audit never breaks the model
+                pass
         return out
+
+    def _around(self, event: "Event", func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """Run the op that completes a softmax ``event``: the call capture emits meanwhile, or later
+        with its output as probabilities, accounts for it."""
+        if event not in self.events:
+            self.events.append(event)
+        outer, self._current = self._current, event
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self._current = outer
+        if isinstance(out, Tensor):
+            self._by_probs[id(out)] = (weakref.ref(out), event)
+        return out
+
+    def _spelled(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional["Event"]:
+        """The event of a softmax spelled out, at the op that completes it: ``exp`` of
+        log-probabilities (``log_softmax(x)``, ``x - logsumexp(x)``), or ``e / e.sum(-1)`` of an
+        ``e = exp(scores)``."""
+        if func in EXP:
+            taint = self._taint(args[0] if args else kwargs.get("input"))
+            if taint is not None and (taint.logprobs is not None or taint.lse_centred):
+                return taint.logprobs or self._event(taint)
+        elif func in DIV and len(args) >= 2:
+            ta, tb = self._taint(args[0]), self._taint(args[1])
+            if ta is not None and tb is not None and ta.exp is not None and ta.exp == tb.exp and tb.summed \
+                    and not ta.summed:
+                return self._event(ta)
+        return None
+
+    def _event(self, taint: "Taint", dim: Optional[int] = None) -> "Event":
+        return Event(module=self._module(), kind="softmax", ops=taint.ops, lost_at=taint.lost_at,
+                     shapes=taint.shapes, dim=dim)
 
     def _attention_op(self, func: Any, kind: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         event = Event(module=self._module(), kind=kind)
@@ -286,25 +261,21 @@ class Audit(TorchFunctionMode):
 
     def _softmax(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         x = args[0] if args else kwargs.get("input")
-        taint = self._taint(x)
-        event = None
-        if taint is not None:
-            dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            other = isinstance(dim, int) and isinstance(x, Tensor) and dim not in (-1, x.dim() - 1)
-            event = Event(module=self._module(), kind="softmax", ops=taint.ops, lost_at=taint.lost_at,
-                          shapes=taint.shapes, dim=dim if other else None)
-        elif isinstance(x, Tensor) and x.dim() >= 2 and self._reaches_scores(x):
-            event = Event(module=self._module(), kind="softmax", unseen=True)
+        with torch._C.DisableTorchFunction():
+            taint = self._taint(x)
+            event = None
+            if taint is not None:
+                dim = args[1] if len(args) > 1 else kwargs.get("dim")
+                other = isinstance(dim, int) and isinstance(x, Tensor) and dim not in (-1, x.dim() - 1)
+                event = self._event(taint, dim if other else None)
+            elif isinstance(x, Tensor) and x.dim() >= 2 and self._reaches_scores(x):
+                event = Event(module=self._module(), kind="softmax", unseen=True)
         if event is None:
             return func(*args, **kwargs)
-        self.events.append(event)
-        outer, self._current = self._current, event
-        try:
-            out = func(*args, **kwargs)
-        finally:
-            self._current = outer
-        if isinstance(out, Tensor):
-            self._by_probs[id(out)] = (weakref.ref(out), event)
+        out = self._around(event, func, args, kwargs)
+        if func in LOG_SOFTMAX and isinstance(out, Tensor) and taint is not None:
+            with torch._C.DisableTorchFunction():  # exp of it completes the softmax (the call comes then)
+                self._set(out, dataclasses.replace(taint, ops=taint.ops + (_name(func),), logprobs=event))
         return out
 
     def _reaches_scores(self, x: Tensor) -> bool:
@@ -312,12 +283,12 @@ class Audit(TorchFunctionMode):
         if x.grad_fn is None or not self._graph or self._taint(x) is not None:
             return False
         frontier, seen = [x.grad_fn], set()
-        for _ in range(_GRAPH_DEPTH):
+        for _ in range(GRAPH_DEPTH):
             nxt = []
             for node in frontier:
                 if node in self._graph:
                     return True
-                if type(node).__name__ in _GRAPH_CUTS:
+                if type(node).__name__ in GRAPH_CUTS:
                     continue
                 for parent, _ in getattr(node, "next_functions", ()):
                     if parent is not None and parent not in seen:
@@ -329,8 +300,8 @@ class Audit(TorchFunctionMode):
         return False
 
     def _follow(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
-        inputs = list(_tensors(args)) + list(_tensors(kwargs))
-        outs = list(_tensors(out))
+        inputs = list(tensors_in(args)) + list(tensors_in(kwargs))
+        outs = list(tensors_in(out))
         if inputs and all(self._is_const(t) for t in inputs):
             for t in outs:
                 self._mark_const(t)
@@ -340,55 +311,24 @@ class Audit(TorchFunctionMode):
                 self._mark_const(t)
             return
         name = _name(func)
-        if func in _PRODUCTS:
-            operands = self._operands(func, args, kwargs)
-            if operands is not None and not any(self._is_const(t) for t in operands):
-                shapes = " × ".join(str(tuple(t.shape)) for t in operands)
+        if func in PRODUCTS:
+            pair = operands(func, args, kwargs)
+            if pair is not None and not any(self._is_const(t) for t in pair):
+                shapes = " × ".join(str(tuple(t.shape)) for t in pair)
                 for t in outs:
-                    self._set(t, _Taint(ops=(name,), shapes=shapes))
+                    self._set(t, Taint(ops=(name,), shapes=shapes))
                 return
-            if operands is not None and not self._keeps_scores(func, args, operands):
+            if pair is not None and not keeps_scores(func, args, pair, self._taint):
                 return  # scores @ W: a contraction of the key dim, not scores any more
-        if func in _CUTS:
-            return
         taint = next((tt for tt in map(self._taint, inputs) if tt is not None), None)
         if taint is None:
             return
-        taint = dataclasses.replace(taint, ops=taint.ops + (name,))
+        if func in CUTS and (taint.axis is None or taint.axis == -1):
+            return  # a linear layer over the keys: an output layer; over the heads (axis moved) a mix
+        taint = step(func, args, kwargs, taint, outs, self._taint)
         targets = outs
         if out is None or name.endswith("_") or name == "__setitem__":
             first = args[0] if args else None
             targets = outs + ([first] if isinstance(first, Tensor) else [])
         for t in targets:
             self._set(t, taint)
-
-    @staticmethod
-    def _operands(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[List[Tensor]]:
-        """The two multiplied tensors of a product op, or None."""
-        if func is torch.einsum:
-            ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
-            return ops if len(ops) == 2 and all(isinstance(t, Tensor) for t in ops) else None
-        if func in (torch.baddbmm, *_methods("baddbmm")):
-            b1 = args[1] if len(args) > 1 else kwargs.get("batch1")
-            b2 = args[2] if len(args) > 2 else kwargs.get("batch2")
-            pair = [b1, b2]
-        else:
-            a = args[0] if args else kwargs.get("input")
-            b = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
-            pair = [b, a] if _name(func) == "__rmatmul__" else [a, b]
-        if not all(isinstance(t, Tensor) and t.dim() >= 2 for t in pair):
-            return None
-        return pair
-
-    def _keeps_scores(self, func: Any, args: Tuple[Any, ...], operands: List[Tensor]) -> bool:
-        """A product of scores with a constant keeps them scores only as an einsum that keeps
-        the scores' last two indices (a linear mix over heads)."""
-        if func is not torch.einsum or not isinstance(args[0], str) or "->" not in args[0]:
-            return False
-        ins, res = args[0].replace(" ", "").split("->")
-        specs = ins.split(",")
-        for spec, t in zip(specs, operands):
-            if self._taint(t) is not None and len(spec) >= 2 and "." not in spec:
-                return spec[-2] in res and spec[-1] in res
-        return False
-

@@ -41,10 +41,10 @@ class FirstForwardAudit:
         recorder.observer = self.reported
         try:
             from probe.capture.eager import EagerFrontEnd
-            from probe.capture.eager_scores import Scores as _Scores
+            from probe.capture.records import Scores as _Scores
 
             eager = next((f for f in self._frontends if isinstance(f, EagerFrontEnd)), None)
-            followed = None if eager is None else (lambda t: isinstance(eager._get(t), _Scores))
+            followed = None if eager is None else (lambda t: isinstance(eager.get(t), _Scores))
             self._audit = Audit(self._model, followed)
             self._audit.__enter__()
         except Exception:  # noqa: BLE001 - the audit never breaks the model

@@ -1,107 +1,29 @@
-"""The records of the eager front end (:mod:`probe.capture.eager`) and pure functions on them.
+"""Pure functions on the eager tracer's records (:mod:`probe.capture.records`).
 
-A :class:`Scores` record says where a score tensor came from (q, k, scale, biases, masks, soft
-cap); a :class:`Meta` record what is known about an activation that may become q or kᵀ; a
-:class:`Pending` softmax waits for its product with v. The functions here fold an op into a
-record (:func:`scaled`, :func:`reshaped`), make the :class:`~probe.call.AttentionCall` of a
-softmax (:func:`to_call`) and rewrite a softmax input under an override (:func:`rescaled`).
+They fold an op into a :class:`~probe.capture.records.Scores` record (:func:`scaled`,
+:func:`reshaped`, :func:`head_mix`), make the :class:`~probe.call.AttentionCall` of a softmax
+(:func:`to_call`), rewrite a softmax input under an override (:func:`rescaled`), and map the
+gradient of the model's own tensors onto a record's (:func:`grad_map`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from probe.call import AttentionCall
+from probe.capture.records import Operand, Scores
 
-__all__ = ["MASK_FILL", "Meta", "Moved", "Pending", "Slice", "Scores", "factor", "handler_names", "heads_of", "lift", "number", "permuted",
-           "repeat_kv", "rescaled", "reshaped", "scaled", "to_call", "grad_map"]
+__all__ = ["MASK_BIAS", "MASK_FILL", "factor", "grad_map", "head_mix", "heads_of", "lift", "number", "permuted",
+           "prescale_factor", "repeat_kv", "rescaled", "reshaped", "scaled", "to_call"]
 
-#: A fill value at or below this masks an entry (``exp`` of it underflows to 0 in float32).
 #: A fill value at or below this masks an entry (``exp`` of it underflows to 0 in float32).
 MASK_FILL = -1e4
-
-
-@dataclasses.dataclass(frozen=True)
-class Scores:
-    """Where a score tensor came from. Biases and masks keep the layout (3 or 4 dims) the
-    scores had when they were applied; they are lifted to ``(B, H, L, S)`` at emit time."""
-
-    q: Tensor  # (B, H, L, d)
-    k: Tensor  # (B, Hk, S, d)
-    ndim: int  # dims of the score tensor this record describes (3 or 4)
-    merged: Optional[Tuple[int, int]] = None  # (B, H) of a (B*H, L, S) layout, when known
-    scale: float = 1.0
-    scale_t: Optional[Tensor] = None  # tensor factor: 1 value or one per head
-    biases: Tuple[Tuple[Tensor, float, int], ...] = ()  # (tensor, coefficient, layout)
-    masks: Tuple[Tuple[Tensor, bool, int, Optional[Tensor]], ...] = ()  # (mask, invert, layout, fill)
-    softcap: Optional[float] = None
-    tanh: bool = False  # tanh applied, waiting for its ``* c``
-    unknown: bool = False  # an op the record cannot describe touched the scores
-    grad_of: Tuple[Tuple[str, Tensor, Callable[[Tensor], Tensor]], ...] = ()  # see AttentionCall.grad_of
-    scale_from: Optional[str] = None
-    head_dim: Optional[int] = None  # d of the heads mixed into q, k (talking heads)
-    mix: Optional[Tuple["Scores", Tensor, int]] = None  # (scores before the mix, M (H, G), biases it made)
-
-
-@dataclasses.dataclass(frozen=True)
-class Meta:
-    """What is known about an activation that may become q or kᵀ."""
-
-    base: Optional[Tensor] = None  # the tensor before ``* factor``
-    factor: float = 1.0
-    merged: Optional[Tuple[int, int]] = None  # (B, H) when this (B*H, L, d) came from (B, H, L, d)
-    src: Optional[Tensor] = None  # this tensor is ``src.transpose(-1, -2)`` (the model's own k)
-    whole: Optional[Tensor] = None  # the (B, H, n, d) tensor this (B*H, n, d) one was reshaped from
-    kv: Optional[Tensor] = None  # the (B, Hk, n, d) tensor this one repeats per group (repeat_kv)
-    factor_t: Optional[Tensor] = None  # a one-element tensor factor (kept on its device: no sync)
-    how: str = ""  # how the factor was applied, in words (info["scale_from"])
-
-
-@dataclasses.dataclass(frozen=True)
-class Slice:
-    """``scores[idx]``, viewed, cast and with tensors added: written back in place (``scores[idx]
-    = slice + bias``, timm MViTv2's relative positions) it changes the scores ``of`` by a bias
-    that does not scale with σ."""
-
-    of: "Scores"
-
-
-@dataclasses.dataclass(frozen=True)
-class Moved:
-    """Probabilities on their way to ``P @ v`` with their dims permuted (``perm`` of the
-    :class:`Pending` layout): DeepViT normalises them over the heads as ``(b, i, j, h)``. Only a
-    permutation back to the original layout makes them probabilities again."""
-
-    pending: "Pending"
-    perm: Tuple[int, ...]
-
-
-@dataclasses.dataclass
-class Pending:
-    """A softmax over scores, waiting for its product with v (then the call gets v and output).
-    ``key``: the site reserved when the softmax ran (the call is named after that module)."""
-
-    call: AttentionCall
-    merged: Optional[Tuple[int, int]]
-    emit: Callable[..., None]
-    key: Any = None
-    done: bool = False
-
-    def fire(self, v: Optional[Tensor] = None, output: Optional[Tensor] = None,
-             v_grad: Optional[Tuple[Tensor, Callable[[Tensor], Tensor]]] = None) -> None:
-        if not self.done:
-            self.done = True
-            grad_of = self.call.grad_of if v_grad is None else {**(self.call.grad_of or {}), "v": v_grad}
-            call = dataclasses.replace(self.call, v=v, output=output, grad_of=grad_of)
-            if self.key is None:
-                self.emit(call)
-            else:
-                self.emit(call, self.key)
+#: An additive bias at or below this masks its key (``AttentionCall``'s rule, ``probe.stats.chunks.MASK_BIAS``).
+MASK_BIAS = -100.0
 
 
 def grad_map(own: Tensor, record: Tensor, factor: Any = 1.0,
@@ -125,45 +47,12 @@ def grad_map(own: Tensor, record: Tensor, factor: Any = 1.0,
     return own, fn
 
 
-def handler_names() -> Dict[Callable[..., Any], str]:
-    """Intercepted function → name of the :class:`~probe.capture.eager.EagerFrontEnd` method that
-    handles it (``torch`` functions, ``F`` functions and tensor methods)."""
-    table: Dict[Callable[..., Any], str] = {}
-    for names, extra, handler in (
-        ("matmul __matmul__ bmm", (torch.matmul, torch.bmm), "_on_matmul"),
-        ("baddbmm", (torch.baddbmm,), "_on_baddbmm"),
-        ("", (torch.einsum,), "_on_einsum"),
-        ("mul mul_ __mul__ __rmul__ __imul__", (torch.mul,), "_on_mul"),
-        ("div div_ __truediv__ __itruediv__", (torch.div, torch.true_divide), "_on_div"),
-        ("add add_ __iadd__", (torch.add,), "_on_add"),
-        ("sub sub_ __isub__", (torch.sub,), "_on_sub"),
-        ("masked_fill masked_fill_", (torch.masked_fill,), "_on_masked_fill"),
-        ("", (torch.where,), "_on_where"),
-        ("tanh", (torch.tanh,), "_on_tanh"),
-        ("float to type type_as contiguous half bfloat16 double", (F.dropout, torch.dropout), "_on_cast"),
-        ("view reshape transpose", (torch.reshape, torch.transpose), "_on_view"),
-        ("__getitem__ neg __neg__ permute unsqueeze squeeze flatten unflatten unbind chunk split",
-         (torch.neg, torch.cat, torch.stack, torch.permute, torch.unbind, torch.chunk, torch.split,
-          torch.view_as_complex, torch.view_as_real), "_on_linear"),
-        ("clamp clamp_ clamp_min maximum", (torch.clamp, torch.clamp_min, torch.max, torch.maximum), "_on_floor"),
-        ("__rsub__ __rdiv__", (F.conv1d, F.linear, torch.conv1d), "_on_other"),
-        ("", (F.conv2d, torch.conv2d), "_on_conv"),
-        ("", (F.layer_norm, torch.layer_norm), "_on_norm"),
-        ("__setitem__", (), "_on_setitem"),
-        ("softmax", (torch.softmax, F.softmax), "_on_softmax"),
-    ):
-        methods = [getattr(cls, n) for n in names.split() for cls in (torch._C.TensorBase, Tensor) if hasattr(cls, n)]
-        for func in (*methods, *extra):
-            table[func] = handler
-    return table
-
-
 def permuted(t: Tensor, dims: List[int]) -> Tensor:
     # The tensor itself when nothing moves, so that hooks on it see the model's gradient.
     return t if dims == list(range(t.dim())) else t.permute(dims)
 
 
-def repeat_kv(x: Tensor, out: Tensor) -> Optional[Meta]:
+def repeat_kv(x: Tensor, out: Tensor) -> Optional[Operand]:
     """``x[:, :, None].expand(B, Hk, n, S, d).reshape(B, Hk * n, S, d)`` (Hugging Face's
     ``repeat_kv``): the kv tensor it repeats, the model's own when ``x`` is a view of it."""
     b, hk, n, length, d = x.shape
@@ -172,52 +61,8 @@ def repeat_kv(x: Tensor, out: Tensor) -> Optional[Meta]:
     base = x._base
     if (base is not None and tuple(base.shape) == (b, hk, length, d) and base.data_ptr() == x.data_ptr()
             and base.unsqueeze(2).expand(x.shape).stride() == x.stride()):
-        return Meta(kv=base)
-    return Meta(kv=x.select(2, 0))
-
-
-def einsum_pair(args: Tuple[Any, ...]) -> Optional[Tuple[Tuple[Any, Any], Tuple[str, str, str]]]:
-    """((x, y), (x letters, y letters, output letters)) of a two-operand einsum without ``...``."""
-    if not args or not isinstance(args[0], str):
-        return None
-    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
-    eq = args[0].replace(" ", "")
-    if len(ops) != 2 or "->" not in eq or "." in eq or eq.count(",") != 1:
-        return None
-    ins, res = eq.split("->")
-    sx, sy = ins.split(",")
-    return (ops[0], ops[1]), (sx, sy, res)
-
-
-def qk_roles(sa: str, sb: str, res: str) -> Optional[Tuple[str, str]]:
-    """For ``einsum(sa, sb -> res)`` as q·kᵀ: the letter orders (batch + query + d, batch + key +
-    d) to permute q and k into; ``None`` when it is not a q·kᵀ product."""
-    if len(sa) != len(sb) or len(sa) < 3 or len(res) != len(sa):
-        return None
-    batch, qi, ki = res[:-2], res[-2], res[-1]
-    d = set(sa) & set(sb) - set(res)
-    if len(d) != 1 or qi not in sa or qi in sb or ki not in sb or ki in sa:
-        return None
-    if not all(c in sa and c in sb for c in batch):
-        return None
-    di = next(iter(d))
-    return batch + qi + di, batch + ki + di
-
-
-def pv_roles(sp: str, sv: str, res: str) -> Optional[Tuple[str, str, str]]:
-    """For ``einsum`` of probabilities ``sp`` (``..., query, key``) with v ``sv``: (batch + key,
-    batch + query + feature, feature) letter orders for v and the output; ``None`` when the key
-    letter is not the one contracted (not P·v)."""
-    if len(sp) < 3:
-        return None
-    qi, ki = sp[-2], sp[-1]
-    batch = sp[:-2]
-    feats = [c for c in sv if c not in sp]
-    if ki in res or ki not in sv or qi in sv or qi not in res or len(feats) != 1 or feats[0] not in res:
-        return None
-    if not all(c in sv and c in res for c in batch) or len(res) != len(sp) or len(sv) != len(sp):
-        return None
-    return batch + ki, batch + qi + feats[0], feats[0]
+        return Operand(kv=base)
+    return Operand(kv=x.select(2, 0))
 
 
 def prescale_factor(s: Any, invert: bool) -> Tuple[Optional[float], Optional[Tensor]]:
@@ -258,21 +103,22 @@ def factor(x: Any, node: Scores) -> Optional[Any]:
 
 
 def scaled(node: Scores, f: Any) -> Scores:
+    """``node`` times ``f`` (a float, or a tensor of one value or one per head)."""
     if node.unknown:
         return node
     if node.tanh:  # c * tanh(z / c): the multiplier is the cap
         if not isinstance(f, float):
-            return dataclasses.replace(node, unknown=True)
+            return dataclasses.replace(node, unknown="a tensor factor after `tanh`")
         return dataclasses.replace(node, tanh=False, softcap=f, scale=node.scale * f)
     if isinstance(f, float):
         if node.softcap is not None and f <= 0:
-            return dataclasses.replace(node, unknown=True)
+            return dataclasses.replace(node, unknown="a negative factor after a soft cap")
         # f·(c·tanh(σR/c) + A) = (fc)·tanh(fσR/(fc)) + fA
         biases = tuple((t, c * f, n) for t, c, n in node.biases)
         softcap = None if node.softcap is None else node.softcap * f
         return dataclasses.replace(node, scale=node.scale * f, biases=biases, softcap=softcap)
     if node.biases or node.softcap is not None:
-        return dataclasses.replace(node, unknown=True)
+        return dataclasses.replace(node, unknown="a tensor factor after a bias or soft cap")
     scale_t = f if node.scale_t is None else node.scale_t * f
     return dataclasses.replace(node, scale_t=scale_t)
 
@@ -328,15 +174,24 @@ def lift(t: Tensor, layout: int, node: Scores) -> Tensor:
 
 
 def to_call(node: Scores, logits: Tensor) -> AttentionCall:
+    """The call a softmax over ``logits`` (the scores ``node`` describes) records.
+
+    Several additive terms (a bias and a mask built apart: Swin's relative position bias, then
+    its window mask of -100) each mask their own keys: a key is valid only where every term is
+    above :data:`MASK_BIAS`, not only where their sum is (a positive bias would unmask it)."""
+    grad_of = {n: (t, f) for n, t, f in node.grad_of} or None
     if node.unknown or node.tanh:
         return AttentionCall(q=node.q, k=node.k, v=None, scale=None, logits=lift(logits, logits.dim(), node),
-                             kind="eager", grad_of={n: (t, f) for n, t, f in node.grad_of} or None)
+                             kind="eager", grad_of=grad_of, scale_unknown=node.unknown or "`tanh` without its factor")
     bias: Optional[Tensor] = None
-    for t, coeff, layout in node.biases:
-        term = lift(t, layout, node)
+    valid: Optional[Tensor] = None
+    terms = [(lift(t, layout, node), coeff) for t, coeff, layout in node.biases]
+    for term, coeff in terms:
         term = term if coeff == 1.0 else term * coeff
         bias = term if bias is None else bias + term
-    valid: Optional[Tensor] = None
+        if len(terms) > 1:
+            keep = term > MASK_BIAS
+            valid = keep if valid is None else valid & keep
     for m, invert, layout, fill in node.masks:
         keep = ~m if invert else m
         if fill is not None:  # a tensor fill value masks only when it is very negative
@@ -347,8 +202,8 @@ def to_call(node: Scores, logits: Tensor) -> AttentionCall:
     if node.scale_t is not None:
         scale = node.scale_t * node.scale
     return AttentionCall(q=node.q, k=node.k, v=None, scale=scale, bias=bias, mask=valid,
-                         softcap=node.softcap, kind="eager", grad_of={n: (t, f) for n, t, f in node.grad_of} or None,
-                         scale_from=node.scale_from, head_dim=node.head_dim)
+                         softcap=node.softcap, kind="eager", grad_of=grad_of, scale_from=node.scale_from,
+                         head_dim=node.head_dim, scale_unknown=node.unattributed)
 
 
 def head_mix(root: Scores, m: Tensor) -> Optional[Scores]:
@@ -358,6 +213,8 @@ def head_mix(root: Scores, m: Tensor) -> Optional[Scores]:
     alike. ``None`` when the record cannot be mixed (masked, capped, a per-head scale, an
     unknown op), then the scale is unknown."""
     if root.unknown or root.tanh or root.softcap is not None or root.masks or root.scale_t is not None:
+        return None
+    if len(root.biases) > 1:  # each term's masked keys would be lost in the mix
         return None
     if root.ndim != 4 or root.mix is not None or m.dim() != 2 or m.shape[0] != root.q.shape[1]:
         return None

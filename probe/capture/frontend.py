@@ -35,11 +35,25 @@ class FrontEnd:
             an intervention mode above a recording mode leaves these calls to it.
         traceable: :meth:`handle` may run while Dynamo traces (inside a compiled region); it must
             then keep to what Dynamo can replay (FlexAttention: one list append).
+        catch_all: while :meth:`watching` says so, the mode routes every function outside any
+            front end's ``funcs`` here too (the eager tracer's default rule for ops it does not
+            name: one front end per mode may set it).
     """
 
     funcs: Tuple[Callable[..., Any], ...] = ()
     applies_overrides: bool = False
     traceable: bool = False
+    catch_all: bool = False
+
+    def passes(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+        """Whether the mode may run this routed call untouched, without :meth:`handle` (a cheap
+        check: the eager tracer rejects ops that cannot start a record on inputs that carry none)."""
+        return False
+
+    def watching(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], func: Any = None) -> bool:
+        """For a ``catch_all`` front end: whether an unnamed function with these arguments must go to
+        :meth:`handle` (cheap: called for every such function while the mode is active)."""
+        return False
 
     def handle(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
                emit: Optional[Emit]) -> Any:

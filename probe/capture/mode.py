@@ -45,6 +45,16 @@ def reserve_site() -> Optional[Any]:
     return None if reserve is None else reserve()
 
 
+#: The module stacks of the active captures, innermost capture last (see :func:`running_modules`).
+_ACTIVE_STACKS: List["ModuleStack"] = []
+
+
+def running_modules() -> List[nn.Module]:
+    """The running modules of the innermost active capture's model, innermost first (a front end
+    reads a module's declared head count there)."""
+    return _ACTIVE_STACKS[-1].modules() if _ACTIVE_STACKS else []
+
+
 def in_front_end() -> bool:
     """Whether the current code runs inside a capture front end's ``handle``."""
     return _IN_FRONT_END.get()
@@ -61,10 +71,15 @@ class ModuleStack(SiteStack):
 
     def activate(self, inside_root: bool = True) -> None:
         super().activate(inside_root)
+        _ACTIVE_STACKS.append(self)
 
     def deactivate(self) -> None:
         super().deactivate()
         self._suspended = None
+        for i in range(len(_ACTIVE_STACKS) - 1, -1, -1):
+            if _ACTIVE_STACKS[i] is self:
+                del _ACTIVE_STACKS[i]
+                break
 
     def _entering(self) -> None:
         if self._stack:
@@ -154,6 +169,8 @@ class CaptureMode(TorchFunctionMode):
         self.recording = emit is not None
         self._traceable = [(f, fe) for fe in frontends if fe.traceable for f in fe.funcs]
         self._paused = False
+        #: the front end that sees every other op while it follows tensors (the eager tracer)
+        self._catch_all = next((fe for fe in frontends if fe.catch_all), None)
 
     def __exit__(self, *exc: Any) -> None:
         # Front ends that track tensors during the forward (eager) forget them here.
@@ -176,6 +193,11 @@ class CaptureMode(TorchFunctionMode):
             return func(*args, **kwargs)
         frontend = self._routes.get(func)
         if frontend is None:
+            catch_all = self._catch_all
+            if catch_all is None or not catch_all.watching(args, kwargs, func):
+                return func(*args, **kwargs)
+            frontend = catch_all
+        elif frontend.passes(func, args, kwargs):  # cheap rejection: nothing for the front end to do
             return func(*args, **kwargs)
         if not self.recording and (not frontend.overrides_active() or is_applying() or in_front_end()
                                    or _recorder_below(func)):

@@ -86,7 +86,7 @@ class SiteStack:
     def __init__(self, root: nn.Module) -> None:
         self._root = root
         self._names: Dict[int, str] = {}
-        self._stack: List[List[Any]] = []  # [module id, name, calls issued]
+        self._stack: List[List[Any]] = []  # [module id, name, calls issued, module]
         self._handles: List[RemovableHandle] = []
         self.root_running = 0
 
@@ -94,7 +94,7 @@ class SiteStack:
         """Start tracking (``inside_root``: called from within the root's own forward)."""
         # Re-read the module tree at each activation: modules may have been added since.
         self._names = site_names(self._root)
-        self._stack = [[id(self._root), "root", 0]] if inside_root else []
+        self._stack = [[id(self._root), "root", 0, self._root]] if inside_root else []
         self.root_running = int(inside_root)
         self._handles = [
             nn.modules.module.register_module_forward_pre_hook(self._push),
@@ -113,13 +113,13 @@ class SiteStack:
     def _push(self, module: nn.Module, args: Any) -> None:
         if module is self._root:
             if self.root_running == 0:
-                self._stack = [[id(module), "root", 0]]
+                self._stack = [[id(module), "root", 0, module]]
             self.root_running += 1
             return
         name = self._names.get(id(module))
         if name is not None and self.root_running and not isinstance(module, FUNCTION_MODULES):
             self._entering()
-            self._stack.append([id(module), name, 0])
+            self._stack.append([id(module), name, 0, module])
             self._entered(module, name, args)
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -137,6 +137,10 @@ class SiteStack:
 
     def _leaving(self, module: nn.Module) -> None:
         """``module`` returned (before it is popped)."""
+
+    def modules(self) -> List[nn.Module]:
+        """The running modules of the watched model, innermost first."""
+        return [entry[3] for entry in reversed(self._stack) if len(entry) > 3 and entry[3] is not None]
 
     def next_site(self) -> Tuple[str, int]:
         """(qualified name, index of this call within the module's current invocation)."""

@@ -1,0 +1,259 @@
+"""Rules for q and k on their way from their projection to the product (:class:`Operand` records).
+
+A scale is attributed only along a path the rules fully model. A tensor with no record is
+features (a projection's or a norm's output: factor 1). Then:
+
+* ``t * s`` / ``t / c`` (any spelling, in place or not) by a Python number or a one-element tensor
+  records the factor; ``t.mul_(s)`` keeps ``t / s`` as the unscaled base;
+* ops linear in every tensor they take replay on the unscaled base, so the factor still holds:
+  views, reshapes, transposes, permutations, parts (``unbind``, ``chunk``, slicing), ``cat`` /
+  ``stack`` of tensors with one factor, ``neg``, casts, a sum of two tensors with one factor, a
+  product with a tensor that varies along the features (a rotary ``cos`` / ``sin``);
+* a projection or a norm starts new features (the factor is absorbed, no record);
+* anything else on a scaled tensor (``+ 1``, a multiplier constant along the features that may
+  be a norm of it, ``clamp``, an op outside the vocabulary, an in-place write) makes it *opaque*:
+  a product with it has an unknown scale (reported at ``actual`` only, warned).
+
+Layout facts ride along: ``(B, H, n, d) -> (B·H, n, d)`` reshapes (heads folded into the batch,
+also ``(3, B, H, n, d) -> (3, B·H, n, d)`` before an ``unbind``) and Hugging Face's ``repeat_kv``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, List, Optional
+
+import torch
+from torch import Tensor
+
+from probe.capture import ops as K
+from probe.capture.eager_scores import number, prescale_factor, repeat_kv
+from probe.capture.records import Derived, Exp, ExpSum, LogProbs, Moved, Operand, Probs, Scores, Shift, Slice
+from probe.capture.rules import Op, rule
+
+__all__: List[str] = []
+
+_STRUCTURAL = (K.VIEW, K.TRANSPOSE, K.PERMUTE, K.INDEX, K.JOIN, K.EXPAND, K.CAST, K.DETACH, K.NEG)
+_ALL = (Scores, Slice, Moved, Shift, LogProbs, Exp, ExpSum, Probs, Derived, Operand)
+
+
+def _opaque(record: Operand, why: str) -> Operand:
+    return Operand(opaque=record.opaque or why)
+
+
+def _in_place(op: Op, x: Any) -> bool:
+    return op.out is x
+
+
+# -- factors -------------------------------------------------------------------------------------------
+@rule((K.MUL, K.DIV), None, Operand)
+def factor(tracer: Any, op: Op) -> None:
+    """``t * s``, ``s * t``, ``t / c`` (in place or not): a scalar factor on a future q or k."""
+    if len(op.args) < 2 or not isinstance(op.out, Tensor):
+        return
+    a, b = op.args[0], op.args[1]
+    divide = op.kind == K.DIV
+    if divide and op.kwargs.get("rounding_mode") is not None:
+        return _touched(tracer, op)
+    x, s = (a, b) if isinstance(a, Tensor) and not (isinstance(b, Tensor) and isinstance(op.rec(b), Operand)
+                                                       and not isinstance(op.rec(a), Operand)) else (b, a)
+    if divide and x is not a:
+        return _touched(tracer, op)  # c / t: not linear in t
+    if not isinstance(x, Tensor) or x.dim() < 3:
+        return _touched(tracer, op)
+    f, f_t = prescale_factor(s, divide)
+    record = op.rec(x)
+    record = record if isinstance(record, Operand) else None
+    if f is None and f_t is None:
+        return _times_tensor(tracer, op, x, s, record, divide)
+    if record is not None and record.opaque:
+        tracer.set(op.out, record)
+        return
+    shown = (f"{float(s.detach() if isinstance(s, Tensor) else s):.4g}"
+             if number(s) or (isinstance(s, Tensor) and s.device.type == "cpu") else "a tensor")
+    word = "divided by" if divide else "multiplied by"
+    in_place = _in_place(op, x)
+    if record is not None and record.base is not None:
+        base, old, old_t, text = record.base, record.factor, record.factor_t, record.how + " and "
+    elif f == 1.0 and f_t is None:
+        return  # ``t * 1.0``: nothing to take into the scale
+    else:
+        if in_place:  # the unscaled values are gone: t / s is the base (exact up to one rounding)
+            with torch.no_grad():
+                base = op.out.detach() / (f if f is not None else f_t.reshape(()).to(op.out.dtype))
+        else:
+            base = x
+        old, old_t, text = 1.0, None, ""
+    if f_t is not None or old_t is not None:
+        f_t = (old_t if old_t is not None else torch.ones(1, device=op.out.device)) * (f_t if f_t is not None else f)
+        f = 1.0
+    merged = record.merged if record is not None else None
+    how = f"{text}{word} {shown}" + (" in place" if in_place else "")
+    tracer.set(op.out, Operand(base=base, factor=old * f, factor_t=f_t, how=how, merged=merged,
+                               ops=(record.ops if record is not None else ()) + (op.name,)))
+
+
+def _times_tensor(tracer: Any, op: Op, x: Tensor, m: Any, record: Optional[Operand], divide: bool) -> None:
+    """``t * m`` / ``t / m`` with ``m`` a tensor of several values. On a scaled ``t``: when ``m``
+    varies along the features (a rotary ``cos`` / ``sin``, a gain) the factor still holds
+    (``(base * m) * f``); a multiplier constant along the features may be a norm of ``t`` itself,
+    which removes the factor: opaque. On features (no factor): still features."""
+    if record is None or not record.scaled:
+        return
+    if record.opaque or not isinstance(m, Tensor) or record.base is None:
+        return tracer.set(op.out, _opaque(record, f"`{op.name}` of q or k after its factor"))
+    other = op.rec(m)
+    if isinstance(other, Operand) and other.scaled:  # both scaled: the factors multiply
+        if divide or other.base is None or record.factor_t is not None or other.factor_t is not None:
+            return tracer.set(op.out, _opaque(record, f"`{op.name}` of q or k after its factor by a function of "
+                                              "itself (a norm?)"))
+        with torch.no_grad():
+            base = record.base * other.base
+        return tracer.set(op.out, Operand(base=base, factor=record.factor * other.factor,
+                                          how=" and ".join(h for h in (record.how, other.how) if h),
+                                          ops=record.ops + (op.name,)))
+    varies = m.dim() > 0 and m.shape[-1] == x.shape[-1] and x.shape[-1] > 1 and (m.is_floating_point() or m.is_complex())
+    if not varies or _in_place(op, x):
+        return tracer.set(op.out, _opaque(record, f"`{op.name}` of q or k after its factor by a tensor constant "
+                                          "along the features (a norm?)"))
+    base = record.base * m if not divide else record.base / m
+    tracer.set(op.out, dataclasses.replace(record, base=base, kv=None, ops=record.ops + (op.name,)))
+
+
+def _touched(tracer: Any, op: Op) -> None:
+    """An op on a scaled operand that the rules do not model: its outputs are opaque."""
+    scaled = next((r for r in op.records.values() if isinstance(r, Operand) and r.scaled), None)
+    if scaled is not None:
+        for out in op.outs:
+            tracer.set(out, _opaque(scaled, f"`{op.name}` on q or k after its factor ({scaled.how or 'opaque'})"))
+
+
+@rule((K.ADD, K.SUB), Operand)
+def linear_sum(tracer: Any, op: Op) -> None:
+    """``a ± b`` of two tensors with the same factor (the two halves of a rotary embedding; a
+    scaled bias: Funnel's ``q * s + r_w_bias * s``); anything else added to a scaled tensor is not
+    linear in the factor: opaque."""
+    a, b = (op.args + (None, None))[:2]
+    ra, rb = op.rec(a), op.rec(b)
+    alpha = op.kwargs.get("alpha", 1)
+    if isinstance(ra, Operand) and isinstance(rb, Operand) and ra.base is not None and rb.base is not None \
+            and not ra.opaque and not rb.opaque and ra.factor == rb.factor and ra.factor_t is None \
+            and rb.factor_t is None and number(alpha):
+        with torch.no_grad():
+            base = ra.base + alpha * rb.base if op.kind == K.ADD else ra.base - alpha * rb.base
+        tracer.set(op.out, dataclasses.replace(ra, base=base, kv=None, ops=ra.ops + (op.name,)))
+        return
+    _touched(tracer, op)
+
+
+# -- ops linear in every tensor they take: replayed on the unscaled bases -----------------------------
+@rule(_STRUCTURAL, Operand)
+def replay(tracer: Any, op: Op) -> None:
+    """A view, a part, a permutation, a join, ``neg`` or a cast: replayed on the unscaled bases
+    (every tensor input must carry the same factor), layout facts kept where the op keeps them."""
+    x = op.args[0] if op.args else None
+    data = op.args[:1] if op.kind in K.FIRST else (*op.args, *op.kwargs.values())  # not type_as's `other`
+    inputs = [t for a in data for t in K.tensors(a)]
+    records = [op.rec(t) for t in inputs]
+    operands = [r for r in records if isinstance(r, Operand)]
+    first = operands[0]
+    if any(r.scaled for r in operands):
+        if any(not (isinstance(r, Operand) and r.base is not None and not r.opaque) for r in records) or \
+                len({(r.factor, id(r.factor_t)) for r in operands}) != 1:
+            return _touched(tracer, op)
+
+        def sub(a: Any) -> Any:
+            if isinstance(a, Tensor):
+                return op.rec(a).base if any(a is t for t in inputs) else a
+            if isinstance(a, (list, tuple)) and any(isinstance(t, Tensor) for t in a):
+                return type(a)(sub(t) for t in a)
+            return a
+
+        with torch.no_grad():
+            bases = op.func(*(sub(a) for a in op.args), **{k: sub(v) for k, v in op.kwargs.items()})
+        outs, bases = (op.outs, list(bases) if isinstance(bases, (list, tuple)) else [bases])
+        for o, b in zip(outs, bases):
+            if isinstance(b, Tensor) and tuple(b.shape) == tuple(o.shape):
+                tracer.set(o, dataclasses.replace(first, base=b, kv=None, merged=_merged(op, x, o, first),
+                                                  ops=first.ops + (op.name,)))
+            else:
+                tracer.set(o, _opaque(first, f"`{op.name}` on q or k after its factor"))
+        return
+    # no factor: only layout facts, where the op keeps them
+    for o in op.outs:
+        kv = first.kv if op.kind in (K.CAST, K.DETACH) else (
+            first.kv.transpose(-1, -2) if first.kv is not None and _swaps_last_two(op, x) else None)
+        merged = _merged(op, x, o, first)
+        if kv is not None or merged is not None:
+            tracer.set(o, Operand(kv=kv, merged=merged))
+
+
+def _swaps_last_two(op: Op, x: Any) -> bool:
+    if not isinstance(x, Tensor):
+        return False
+    if op.kind == K.TRANSPOSE:
+        dims = [d for d in op.args[1:3] if isinstance(d, int)]
+        return op.name == "mT" or (len(dims) == 2 and {d % x.dim() for d in dims} == {x.dim() - 2, x.dim() - 1})
+    return False
+
+
+def _merged(op: Op, x: Any, out: Tensor, record: Operand) -> Optional[tuple]:
+    """``(B, H)`` of ``out``'s dim -3 when it still holds the ``B·H`` rows of ``x``'s."""
+    if record.merged is None or not isinstance(x, Tensor) or out.dim() < 3 or x.dim() < 3:
+        return None
+    if op.kind in (K.CAST, K.DETACH, K.NEG) or (_swaps_last_two(op, x) and out.shape[-3] == x.shape[-3]):
+        return record.merged
+    if op.kind in (K.INDEX, K.VIEW) and tuple(out.shape[-3:]) == tuple(x.shape[-3:]):
+        return record.merged
+    return None
+
+
+@rule(K.VIEW, None)
+def layout(tracer: Any, op: Op) -> None:
+    """A reshape that folds heads into the batch (``(B, H, n, d) -> (B·H, n, d)``, also with
+    leading dims kept: ``(3, B, H, n, d) -> (3, B·H, n, d)``), or Hugging Face's ``repeat_kv``
+    (``k[:, :, None].expand(B, Hk, n, S, d).reshape(B, Hk·n, S, d)``)."""
+    x, out = op.args[0] if op.args else None, op.out
+    if not isinstance(x, Tensor) or not isinstance(out, Tensor) or not x.is_floating_point():
+        return
+    if x.dim() == 5 and out.dim() == 4 and x.stride(2) == 0:
+        tracer.set(out, repeat_kv(x, out))
+        return
+    if x.dim() >= 4 and out.dim() == x.dim() - 1 and tuple(out.shape[-2:]) == tuple(x.shape[-2:]) \
+            and tuple(out.shape[:-3]) == tuple(x.shape[:-4]) and out.shape[-3] == x.shape[-4] * x.shape[-3] \
+            and x.shape[-3] > 1:
+        tracer.set(out, Operand(merged=(x.shape[-4], x.shape[-3])))
+
+
+@rule(K.LINEAR_IN, None, Operand)
+def hidden_coefficient(tracer: Any, op: Op) -> None:
+    """``addcmul``, ``addcdiv``, ``lerp``: linear with a coefficient the rules do not read."""
+    for out in op.outs:
+        if out.dim() >= 3 and out.is_floating_point():
+            tracer.set(out, Operand(opaque=f"`{op.name}` on q or k (a coefficient probe does not read)"))
+
+
+@rule(K.SETITEM, Operand)
+def written_into(tracer: Any, op: Op) -> None:
+    """``t[idx] = value``: a scaled value written into ``t`` makes ``t`` opaque (a KV cache filled with
+    a scaled k); a write into a scaled ``t`` makes it opaque (the in-place check of the tracer)."""
+    target, value = op.args[0] if op.args else None, op.args[2] if len(op.args) > 2 else None
+    rv = op.rec(value)
+    if isinstance(rv, Operand) and rv.scaled and isinstance(target, Tensor):
+        tracer.set(target, _opaque(rv, "a scaled q or k written into a tensor"))
+
+
+@rule(K.COPY, *_ALL, None)
+def copied(tracer: Any, op: Op) -> None:
+    """``t.copy_(src)``: ``t`` takes ``src``'s values, and its record."""
+    target, src = (op.args + (None, None))[:2]
+    record = op.rec(src)
+    if isinstance(target, Tensor) and isinstance(src, Tensor) and target.shape == src.shape:
+        tracer.set(target, record if isinstance(record, (Operand, Derived)) else None)
+    elif isinstance(target, Tensor):
+        tracer.set(target, Derived(True, "a copy") if record is not None else None)
+
+
+@rule(K.FACTORY, *_ALL)
+def factory(tracer: Any, op: Op) -> None:
+    """``zeros_like``, ``new_full``, ...: values unrelated to the input's (no record)."""

@@ -1,0 +1,348 @@
+"""Rules for products: ``q @ kᵀ`` starts scores, ``P @ v`` completes a call, mixes over heads.
+
+A product of two batched activations (``matmul``, ``@``, ``bmm``, ``baddbmm``, a two-operand
+``einsum`` by any binding of its letters, any number of leading dims) starts a
+:class:`~probe.capture.records.Scores` record: ``q = a``, ``k = b.transpose(-1, -2)`` (or the
+einsum's operands permuted into ``(..., L, d)`` / ``(..., S, d)``). The operands' own records
+give their factors, whichever side carries them and whatever permutes them on the way (the same
+map is applied to the record's unscaled ``base`` as to the operand); an *opaque* operand gives
+scores whose scale cannot be attributed. A product with a weight (a parameter, a 2-D matrix) is a
+projection: its output starts new features (no record).
+
+The model's own operands carry the gradient hooks: a record made from them (a permutation, a
+reshape, an un-repeated kv head, a factor taken out) says how their gradient becomes its own
+(:func:`~probe.capture.eager_scores.grad_map`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from probe.capture import ops as K
+from probe.capture.eager_scores import grad_map, head_mix, heads_of, number, permuted
+from probe.capture.records import Derived, Moved, Operand, Probs, Scores
+from probe.capture.rules import Op, rule, unknown
+
+__all__ = ["einsum_pair", "pv_roles", "qk_roles", "start"]
+
+Map = Callable[[Tensor], Tensor]
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+def _transposed(t: Tensor) -> Tensor:
+    return t.transpose(-1, -2)
+
+
+def start(tracer: Any, op: Op, own_a: Any, own_b: Any, q_of: Map = _same, k_of: Map = _transposed,
+          scale: float = 1.0) -> Optional[Scores]:
+    """A score record for a product of ``own_a`` and ``own_b`` (the model's own operands) when
+    both are batched activations: ``q = q_of(a)`` (``(..., L, d)``), ``k = k_of(b)``
+    (``(..., S, d)``), with the factors their records carry taken out into the scale."""
+    if not (isinstance(own_a, Tensor) and isinstance(own_b, Tensor) and isinstance(op.out, Tensor)):
+        return None
+    if own_a.dim() < 3 or own_b.dim() < 3 or isinstance(own_a, nn.Parameter) or isinstance(own_b, nn.Parameter):
+        return None
+    ra, rb = op.rec(own_a), op.rec(own_b)
+    ra = ra if isinstance(ra, Operand) else None
+    rb = rb if isinstance(rb, Operand) else None
+    q = q_of(ra.base if ra is not None and ra.base is not None else own_a)
+    k = k_of(rb.base if rb is not None and rb.base is not None else own_b)
+    if q.dim() != k.dim():
+        return None
+    scale_t: Optional[Tensor] = None
+    factors = []
+    how = []
+    for name, r in (("q", ra), ("k", rb)):
+        f: Any = 1.0
+        if r is not None and r.base is not None:
+            f = r.factor if r.factor_t is None else r.factor_t * r.factor
+            how.append(f"{name} {r.how}".rstrip())
+        factors.append(f)
+        if isinstance(f, Tensor):
+            scale_t = f.reshape(1) if scale_t is None else scale_t * f.reshape(1)
+        else:
+            scale = scale * f
+    if rb is not None and rb.kv is not None and rb.base is None:
+        k = k_of(rb.kv)  # grouped-query attention: the kv heads, not their repeated copies
+    heads_from = None
+    if q.dim() > 4:  # extra leading dims (windows, blocks: (B, T, H, N, d)): flattened into the batch
+        q, k = q.reshape(-1, *q.shape[-3:]), k.reshape(-1, *k.shape[-3:])
+    merged = None
+    if q.dim() == 3:
+        merged = ra.merged if ra is not None else None
+        if merged is None and rb is not None:
+            merged = rb.merged
+        if merged is None:
+            heads = tracer.declared_heads(q.shape[0])
+            if heads is not None:
+                merged = (q.shape[0] // heads[0], heads[0])
+                heads_from = f"heads from the module's `{heads[1]}` = {heads[0]} ((B·H) rows taken batch-major)"
+        if merged is not None and q.shape[0] == merged[0] * merged[1] and k.shape[0] % merged[0] == 0:
+            q = q.reshape(merged[0], merged[1], *q.shape[1:])
+            k = k.reshape(merged[0], -1, *k.shape[1:])
+        else:
+            merged, heads_from = None, None
+            q, k = q.unsqueeze(1), k.unsqueeze(1)
+    if k.shape[0] not in (1, q.shape[0]) or q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1]:
+        return None
+    grads = [("q", grad_map(own_a, q, factors[0], pre=None if q_of is _same else q_of)),
+             ("k", grad_map(own_b, k, factors[1], pre=k_of))]
+    opaque = next((r.opaque for r in (ra, rb) if r is not None and r.opaque), None)
+    return Scores(q=q, k=k, ndim=op.out.dim(), merged=merged, scale=scale, scale_t=scale_t,
+                  grad_of=tuple((n, *g) for n, g in grads if g is not None),
+                  scale_from=("; ".join(how) + " before q·kᵀ") if how else heads_from,
+                  unattributed=opaque, operands=(ra, rb), heads_from=heads_from)
+
+
+def _fire_pv(tracer: Any, probs: Probs, b: Tensor, out: Tensor, v_rec: Any) -> None:
+    v = heads_of(b, probs.merged)
+    if b.dim() == 4 and isinstance(v_rec, Operand) and v_rec.kv is not None:
+        v = v_rec.kv  # the kv heads behind a repeat_kv copy
+    probs.fire(v, heads_of(out, probs.merged), grad_map(b, v))
+
+
+# -- matmul, @, bmm ------------------------------------------------------------------------------------
+@rule(K.PRODUCT, Probs)
+def pv_product(tracer: Any, op: Op) -> None:
+    """``P @ v``: the call is complete."""
+    a, b = op.arg(0, "input"), op.arg(1, "other", op.kwargs.get("mat2"))
+    probs = op.rec(a)
+    if isinstance(probs, Probs) and isinstance(b, Tensor) and isinstance(op.out, Tensor) \
+            and a.dim() == b.dim() == op.out.dim() >= 3:
+        _fire_pv(tracer, probs, b, op.out, op.rec(b))
+
+
+@rule(K.PRODUCT, None, Operand)
+def qk_product(tracer: Any, op: Op) -> None:
+    """``a @ b`` of two batched activations starts scores; a product with a weight is a projection."""
+    a, b = op.arg(0, "input"), op.arg(1, "other", op.kwargs.get("mat2"))
+    if getattr(op.func, "__name__", "") == "__rmatmul__":
+        a, b = b, a
+    node = start(tracer, op, a, b)
+    if node is not None:
+        tracer.set(op.out, node)
+    elif isinstance(a, Tensor) and isinstance(b, Tensor) and a.dim() >= 3 and b.dim() >= 3 \
+            and not isinstance(a, nn.Parameter) and not isinstance(b, nn.Parameter):
+        _opaque(tracer, op)  # two activations, but not q·kᵀ: a factor on either is no longer read
+
+
+@rule(K.PRODUCT, Scores)
+def scores_product(tracer: Any, op: Op) -> None:
+    """Scores times a matrix (keys or heads mixed by a product): the scale is unknown."""
+    tracer.set(op.out, unknown(op.subject, f"`{op.name}` of the scores with a matrix"))
+
+
+@rule(K.BADDBMM, None, Operand)
+def baddbmm(tracer: Any, op: Op) -> None:
+    """``baddbmm(bias, q, kᵀ, beta=, alpha=)`` by any binding (Bloom's alibi, GPT-2's reorder)."""
+    bound = {**dict(zip(("input", "batch1", "batch2"), op.args)), **op.kwargs}
+    bias, beta, alpha = bound.get("input"), bound.get("beta", 1), bound.get("alpha", 1)
+    if not (number(beta) and number(alpha)):
+        return _opaque(tracer, op)
+    node = start(tracer, op, bound.get("batch1"), bound.get("batch2"), scale=float(alpha))
+    if node is not None and beta != 0 and isinstance(bias, Tensor):
+        node = dataclasses.replace(node, biases=((bias, float(beta), 3),))
+    tracer.set(op.out, node)
+
+
+def _opaque(tracer: Any, op: Op) -> None:
+    scaled = [r for r in op.records.values() if isinstance(r, Operand) and r.scaled]
+    if scaled and isinstance(op.out, Tensor):
+        tracer.set(op.out, Operand(opaque=scaled[0].opaque or f"`{op.name}` of q or k after its factor"))
+
+
+# -- einsum --------------------------------------------------------------------------------------------
+def einsum_pair(args: Tuple[Any, ...]) -> Optional[Tuple[Tuple[Any, Any], Tuple[str, str, str]]]:
+    """((x, y), (x letters, y letters, output letters)) of a two-operand einsum without ``...``."""
+    if not args or not isinstance(args[0], str):
+        return None
+    operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+    eq = args[0].replace(" ", "")
+    if len(operands) != 2 or "->" not in eq or "." in eq or eq.count(",") != 1:
+        return None
+    ins, res = eq.split("->")
+    sx, sy = ins.split(",")
+    return (operands[0], operands[1]), (sx, sy, res)
+
+
+def qk_roles(sa: str, sb: str, res: str) -> Optional[Tuple[str, str]]:
+    """For ``einsum(sa, sb -> res)`` as q·kᵀ: the letter orders (batch + query + d, batch + key +
+    d) to permute q and k into; ``None`` when it is not a q·kᵀ product."""
+    if len(sa) != len(sb) or len(sa) < 3 or len(res) != len(sa):
+        return None
+    batch, qi, ki = res[:-2], res[-2], res[-1]
+    d = set(sa) & set(sb) - set(res)
+    if len(d) != 1 or qi not in sa or qi in sb or ki not in sb or ki in sa:
+        return None
+    if not all(c in sa and c in sb for c in batch):
+        return None
+    di = next(iter(d))
+    return batch + qi + di, batch + ki + di
+
+
+def pv_roles(sp: str, sv: str, res: str) -> Optional[Tuple[str, str, str]]:
+    """For ``einsum`` of probabilities ``sp`` (``..., query, key``) with v ``sv``: (batch + key,
+    batch + query + feature, feature) letter orders for v and the output; ``None`` when the key
+    letter is not the one contracted (not P·v)."""
+    if len(sp) < 3:
+        return None
+    qi, ki = sp[-2], sp[-1]
+    batch = sp[:-2]
+    feats = [c for c in sv if c not in sp]
+    if ki in res or ki not in sv or qi in sv or qi not in res or len(feats) != 1 or feats[0] not in res:
+        return None
+    if not all(c in sv and c in res for c in batch) or len(res) != len(sp) or len(sv) != len(sp):
+        return None
+    return batch + ki, batch + qi + feats[0], feats[0]
+
+
+def _lifted(letters: str, batch: str) -> Tuple[str, Optional[Callable[[Tensor], Tensor]]]:
+    """An einsum operand without some of the batch letters (one k or v head for all query heads:
+    ``"bjd"`` beside ``"bhid"``): its letters with them as leading size-1 dims, and the view."""
+    missing = "".join(c for c in batch if c not in letters)
+    if not missing:
+        return letters, None
+    return missing + letters, lambda t, n=len(missing): t.reshape((1,) * n + tuple(t.shape))
+
+
+def _einsum_head_mix(ss: str, sw: str, res: str, w: Any) -> Optional[Tensor]:
+    """M (H, G) of ``einsum(ss, sw -> res)`` when it mixes the heads of 4-D scores ``ss`` (batch,
+    head, query, key) by a 2-D weight ``sw`` (head, new head): ``"bhij,hg->bgij"``."""
+    if len(ss) != 4 or len(sw) != 2 or len(res) != 4 or not isinstance(w, Tensor) or w.dim() != 2:
+        return None
+    h = ss[1]
+    g = next((c for c in sw if c != h), None)
+    if h not in sw or g is None or g in ss or res != ss[0] + g + ss[2:]:
+        return None
+    return w if sw == h + g else w.t()
+
+
+@rule(K.EINSUM, Probs)
+def pv_einsum(tracer: Any, op: Op) -> None:
+    """P·v by any letters and operand order; P mixed over heads after the softmax stays P."""
+    parsed = einsum_pair(op.args)
+    if parsed is None or not isinstance(op.out, Tensor):
+        return
+    (x, y), (sx, sy, res) = parsed
+    for sp, sv, p, t in ((sx, sy, x, y), (sy, sx, y, x)):
+        probs = op.rec(p)
+        if not isinstance(probs, Probs) or not isinstance(t, Tensor):
+            continue
+        sv2, lift = _lifted(sv, sp[:-2]) if len(sv) < len(sp) else (sv, None)
+        roles = pv_roles(sp, sv2, res)
+        if roles is not None:
+            to_v, to_out = [sv2.index(c) for c in roles[0] + roles[2]], [res.index(c) for c in roles[1]]
+            pre = (lambda g, d=to_v: g.permute(d)) if lift is None else (lambda g, d=to_v, f=lift: f(g).permute(d))
+            v = heads_of(pre(t), probs.merged)
+            probs.fire(v, heads_of(permuted(op.out, to_out), probs.merged), grad_map(t, v, pre=pre))
+        elif sp[-2:] == res[-2:]:  # P mixed over heads after the softmax (re-attention)
+            tracer.set(op.out, probs)
+        return
+
+
+@rule(K.EINSUM, None, Operand)
+def qk_einsum(tracer: Any, op: Op) -> None:
+    """A two-operand einsum that is q·kᵀ (one k head for all query heads: ``"bhid,bjd->bhij"``)."""
+    parsed = einsum_pair(op.args)
+    if parsed is None or not isinstance(op.out, Tensor):
+        return _opaque(tracer, op)
+    (x, y), (sx, sy, res) = parsed
+    sx2, lx = _lifted(sx, res[:-2]) if len(sx) < len(sy) else (sx, None)
+    sy2, ly = _lifted(sy, res[:-2]) if len(sy) < len(sx) else (sy, None)
+    roles = qk_roles(sx2, sy2, res)
+    if roles is None:
+        return _opaque(tracer, op) if isinstance(x, Tensor) and isinstance(y, Tensor) and not any(
+            isinstance(t, nn.Parameter) or t.dim() < 3 for t in (x, y)) else None
+    to_q, to_k = [sx2.index(c) for c in roles[0]], [sy2.index(c) for c in roles[1]]
+
+    def q_of(t: Tensor, d: list = to_q, f: Any = lx) -> Tensor:
+        return permuted(t if f is None else f(t), d)
+
+    def k_of(t: Tensor, d: list = to_k, f: Any = ly) -> Tensor:
+        return permuted(t if f is None else f(t), d)
+
+    tracer.set(op.out, start(tracer, op, x, y, q_of, k_of))
+
+
+@rule(K.EINSUM, Scores)
+def mix_einsum(tracer: Any, op: Op) -> None:
+    """Scores mixed by a weight over heads (talking heads: ``"bhij,hg->bgij"``), else unknown."""
+    parsed = einsum_pair(op.args)
+    node = op.subject
+    m = None
+    if parsed is not None:
+        (x, y), (sx, sy, res) = parsed
+        m = _einsum_head_mix(sx, sy, res, y) if op.rec(x) is node else _einsum_head_mix(sy, sx, res, x)
+    tracer.set(op.out, mixed(node, m, f"`einsum` of the scores ({op.args[0] if op.args else ''})"))
+
+
+def mixed(node: Scores, m: Optional[Tensor], why: str) -> Scores:
+    """``node``'s scores mixed over heads by ``m`` (H, G) (:func:`head_mix`); unknown (reported at
+    `actual` only, with a warning) when it cannot be described."""
+    out = head_mix(node, m) if m is not None else None
+    return unknown(node, why) if out is None else out
+
+
+# -- convolutions and linear layers over the heads (talking heads) ------------------------------------
+@rule(K.CONV, Scores)
+def mix_conv(tracer: Any, op: Op) -> None:
+    """``conv2d(scores, W)`` with a 1x1 kernel, no bias, stride 1 (x-transformers' talking heads)."""
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+    bound = {**dict(zip(names, op.args)), **op.kwargs}
+    w = bound.get("weight")
+
+    def pair(x: Any) -> Tuple[Any, ...]:
+        return tuple(x) if isinstance(x, (list, tuple)) else (x,)
+
+    plain = (bound.get("bias") is None and bound.get("groups", 1) == 1 and all(
+        set(pair(bound.get(n, default))) == {default} for n, default in (("stride", 1), ("padding", 0), ("dilation", 1))))
+    ok = op.func in (torch.conv2d, torch.nn.functional.conv2d) and isinstance(w, Tensor) and w.dim() == 4
+    m = w[:, :, 0, 0].t() if ok and plain and tuple(w.shape[2:]) == (1, 1) else None
+    tracer.set(op.out, mixed(op.subject, m, f"`{op.name}` of the scores"))
+
+
+@rule(K.CONV, Probs)
+def conv_probs(tracer: Any, op: Op) -> None:
+    """Heads mixed after the softmax (post talking heads): still on the way to ``P @ v``."""
+    x = op.arg(0, "input")
+    if isinstance(op.out, Tensor) and isinstance(x, Tensor) and op.out.shape[-2:] == x.shape[-2:]:
+        tracer.set(op.out, op.subject)
+
+
+@rule(K.LINEAR, Moved)
+def linear_over_heads(tracer: Any, op: Op) -> None:
+    """``F.linear`` over the heads of permuted scores (heads last: an ``nn.Linear(H, G)``): a mix
+    of the scores over heads (its bias a bias of the mixed heads); over permuted probabilities it
+    keeps them on the way to ``P @ v``. Over any other dim: not scores any more."""
+    moved, x = op.subject, op.arg(0, "input")
+    w, b = op.arg(1, "weight"), op.arg(2, "bias")
+    if not (isinstance(x, Tensor) and isinstance(op.out, Tensor) and isinstance(w, Tensor) and w.dim() == 2):
+        return
+    heads_last = len(moved.perm) == 4 and moved.perm[-1] == 1
+    if not heads_last:
+        return
+    if isinstance(moved.of, Probs):
+        tracer.set(op.out, moved)
+        return
+    node = mixed(moved.of, w.t(), "`linear` over the heads of the scores")
+    if isinstance(b, Tensor) and not node.unknown:
+        node = dataclasses.replace(node, biases=node.biases + ((b.detach().reshape(1, -1, 1, 1), 1.0, 4),),
+                                   mix=(node.mix[0], node.mix[1], node.mix[2] + 1) if node.mix else None)
+    tracer.set(op.out, Moved(node, moved.perm))
+
+
+@rule((K.LINEAR, K.CONV, K.NORM), Operand)
+def projection(tracer: Any, op: Op) -> None:
+    """A projection or a norm of an operand starts new features: its factor is absorbed (no record)."""
+
+
+@rule(K.LINEAR, Scores, Derived)
+def key_contraction(tracer: Any, op: Op) -> None:
+    """``F.linear`` over the keys of the scores (an output layer): not scores any more (no record)."""
