@@ -1,8 +1,10 @@
-"""A prescaled q changed in place by an op probe does not follow (``add_``, ``clamp_``, ``exp_``,
-``copy_``, an in-place op on a view of it): probe must not keep describing it as ``q * factor``.
-The stale record measured the logits of ``q * factor`` before the change: entropy, max_prob and
-logit_max silently wrong, no warning. Oracle: the model's own probabilities (as in
-tests/capture/test_patterns.py); the logits are the model's ``qs @ kᵀ`` at scale 1."""
+"""A prescaled q changed in place by an op probe does not model (``add_``, ``clamp_``, ``exp_``, an
+in-place op on a view of it, a division by its own norm): probe must not keep describing it as
+``q * factor`` (a stale record measured the logits of ``q * factor`` before the change: entropy,
+max_prob and logit_max silently wrong), nor as features of scale 1 (the factor is still in it:
+`unscaled` would be wrong). It is measured at `actual` only, exactly, and the site is named by a
+warning (issue 25: scale provenance complete or unknown). A full overwrite (``copy_``) makes it
+features again. Oracle: the model's own probabilities (as in tests/capture/test_patterns.py)."""
 
 from __future__ import annotations
 
@@ -55,10 +57,27 @@ def _own(q):
     return q
 
 
-@pytest.mark.parametrize("change", [_add, _clamp, _exp, _copy, _view, _norm, _own], ids=lambda f: f.__name__[1:])
-def test_a_prescaled_q_changed_in_place_is_measured_as_it_is(change):
+@pytest.mark.parametrize("change", [_add, _clamp, _exp, _view, _norm, _own], ids=lambda f: f.__name__[1:])
+def test_a_prescaled_q_changed_in_place_is_measured_at_actual_and_named(change):
+    import numpy as np
+
+    from tests.capture.test_patterns import entropy_ref
+
     def core(m, q, k, v):
         qs = change(q)
+        m.raw = (qs.detach().double(), k.detach().double())
+        return keep(m, (qs @ k.transpose(-1, -2)).softmax(-1)) @ v
+
+    net, s, warned = run(core, grads=False)
+    for name, block in zip(s.sites, net.blocks):
+        assert s.info(name)["scale"] is None
+        assert any(name in w and "`actual` only" in w for w in warned), warned
+        np.testing.assert_allclose(s.value(name, "entropy"), entropy_ref(block.probs), rtol=1e-5, atol=1e-6)
+
+
+def test_a_prescaled_q_overwritten_by_copy_is_measured_as_it_is():
+    def core(m, q, k, v):
+        qs = _copy(q)
         m.raw = (qs.detach().double(), k.detach().double())
         return keep(m, (qs @ k.transpose(-1, -2)).softmax(-1)) @ v
 
@@ -66,16 +85,17 @@ def test_a_prescaled_q_changed_in_place_is_measured_as_it_is(change):
     check(net, s, 1.0, grads=False)
 
 
-def test_q_multiplied_in_place_is_not_multiplied_twice():
-    # q.mul_(s) on a fresh q: recorded as base = q (already q * s) times s, probe measured q * s²
+def test_q_multiplied_in_place_is_taken_into_the_scale_once():
+    # q.mul_(s) on a fresh q: the factor is the scale (q / s the unscaled q), not applied twice
+    # (measuring q * s²) nor dropped (scale 1: issue 25)
     def core(m, q, k, v):
         q = q.clone()
-        q.mul_(S0)
         m.raw = (q.detach().double(), k.detach().double())
+        q.mul_(S0)
         return keep(m, (q @ k.transpose(-1, -2)).softmax(-1)) @ v
 
-    net, s, _ = run(core, grads=False)
-    check(net, s, 1.0, grads=False)
+    net, s, _ = run(core)
+    check(net, s, S0)
 
 
 def test_scores_changed_in_place_are_reported_at_actual_with_a_warning():
