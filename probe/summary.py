@@ -21,7 +21,7 @@ from probe.errors import ProbeError
 from probe.files import atomic_write, read_regular_file
 from probe.metrics import METRICS
 
-__all__ = ["SCALE_FREE", "SUMMARY_FILE", "Account", "Summary", "format_estimate", "json_number"]
+__all__ = ["SCALE_FREE", "SUMMARY_FILE", "Account", "Summary", "compact_values", "format_estimate", "json_number"]
 
 #: Metrics without a scale: reported under ``actual``.
 SCALE_FREE = frozenset({"nonfinite", "grad_q", "grad_k", "grad_v"})
@@ -145,6 +145,23 @@ def _decode_sites(sites: Any) -> Dict[str, Dict[str, Any]]:
             }
         out[name] = {"info": _decode_any(info), "metrics": decoded}
     return out
+
+
+def compact_values(values: List[str]) -> str:
+    """``metric@scale`` names in few words: a metric listed at every scale that occurs is named
+    once (``grad_logits`` for ``grad_logits@actual, grad_logits@unscaled, ...``)."""
+    by_metric: Dict[str, List[str]] = {}
+    for v in values:
+        metric, _, scale = v.partition("@")
+        by_metric.setdefault(metric, []).append(scale)
+    scales = {s for ss in by_metric.values() for s in ss if s}
+    parts = []
+    for metric, ss in by_metric.items():
+        if not ss[0] or len(scales) <= 1 or set(ss) == scales:
+            parts.append(metric if not ss[0] or set(ss) == scales and len(scales) > 1 else f"{metric}@{ss[0]}")
+        else:
+            parts.append(", ".join(f"{metric}@{x}" for x in ss))
+    return ", ".join(parts)
 
 
 class Summary:

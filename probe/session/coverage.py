@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from probe.capture.audit import Event
 from probe.errors import ProbeError
+from probe.summary import compact_values
 
 __all__ = ["Coverage", "Row", "coverage"]
 
@@ -90,7 +91,7 @@ class Coverage:
             if r.captured and r.verified is not True and r.verification:
                 out.append(f"{r.site}: {'UNVERIFIED' if r.verified is False else 'verification'}: {r.verification}")
             for why, values in r.not_measured.items():
-                out.append(f"{r.site}: not measured: {_compact(values)}: {why}")
+                out.append(f"{r.site}: not measured: {compact_values(values)}: {why}")
         captured = sum(r.captured for r in self.rows)
         verified = sum(r.captured and r.verified is True for r in self.rows)
         if not self.rows:
@@ -99,22 +100,6 @@ class Coverage:
             out.append(f"{captured} of {len(self.rows)} attention sites captured, {verified} verified against the "
                        "model's own computation")
         return "\n".join(out)
-
-
-def _compact(values: List[str]) -> str:
-    """``metric@scale`` names, a metric missing at every listed scale once as ``metric``."""
-    by_metric: Dict[str, List[str]] = {}
-    for v in values:
-        metric, _, scale = v.partition("@")
-        by_metric.setdefault(metric, []).append(scale)
-    scales = {s for ss in by_metric.values() for s in ss if s}
-    parts = []
-    for metric, ss in by_metric.items():
-        if not ss[0] or len(scales) <= 1 or set(ss) == scales:
-            parts.append(metric if not ss[0] or set(ss) == scales and len(scales) > 1 else f"{metric}@{ss[0]}")
-        else:
-            parts.append(", ".join(f"{metric}@{x}" for x in ss))
-    return ", ".join(parts)
 
 
 def _fmt_scale(scale: Any) -> str:
