@@ -21,7 +21,7 @@ from probe.errors import ProbeError
 from probe.ci.exit_codes import ExitCode
 from probe.names import printable
 from probe.ci.runs import StepWindow, find_runs, load_run
-from probe.summary import Summary, format_estimate
+from probe.summary import Summary, compact_values, format_estimate
 
 __all__ = ["add_commands", "load_run", "positive_int", "report_table", "steps_line"]
 
@@ -89,6 +89,8 @@ def report_table(summary: Summary) -> str:
         if note:
             sampled = note[len("est., "):] if note.startswith("est., ") else "query rows"
             known.append(f"{sampled} sampled: ± marks an estimate and its standard error")
+        if "verified" in info:  # checked against the model's own computation (issue 25)
+            known.append({True: "verified", False: "UNVERIFIED", None: "unchecked"}[info["verified"]])
         rows = []
         metrics = summary.metrics(site)
         for m in metrics:
@@ -103,9 +105,11 @@ def report_table(summary: Summary) -> str:
             else:
                 row.append("-")
             rows.append(row)
+        rows += [[f"not measured: {compact_values(values)}: {why}"] for why, values in summary.not_measured(site).items()]
         blocks.append((printable(site) + (f"  ({', '.join(known)})" if known else ""), rows))
     header = ["metric"] + scales + ["heads @actual (min..max)"]
-    widths = [max([len(header[c])] + [len(r[c]) for _, rows in blocks for r in rows]) for c in range(len(header))]
+    widths = [max([len(header[c])] + [len(r[c]) for _, rows in blocks for r in rows if len(r) > 1])
+              for c in range(len(header))]
     line = lambda r: "  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip()  # noqa: E731
     out: List[str] = []
     for title, rows in blocks:
