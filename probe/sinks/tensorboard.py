@@ -28,7 +28,7 @@ from probe.sinks import checksum, tags
 from probe.sinks.base import head_scalars, scalar_tag
 from probe.sinks.images import grid_of, render_heatmap
 from probe.sinks.tags import custom_scalars_layout  # the layout is part of the tag contract (tags.py)
-from probe.summary import Summary
+from probe.summary import Summary, compact_values
 
 __all__ = ["TensorBoardSink", "custom_scalars_layout", "scalar_tag", "sites_table"]
 
@@ -41,12 +41,15 @@ def sites_table(summary: Summary, step: Optional[int] = None) -> str:
     """A markdown table of the detected sites (TensorBoard renders text summaries as markdown);
     ``calls`` counts the site's probed attention calls up to ``step``."""
     lines = [] if step is None else [f"Attention sites found by step {step} (calls: probed calls up to then).", ""]
-    lines += ["| site | kind | heads | kv heads | d_k | actual scale | calls |", "|---|---|---|---|---|---|---|"]
+    lines += ["| site | kind | heads | kv heads | d_k | actual scale | calls | verified | not measured |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for site in summary.sites:
         i = summary.info(site)
+        verified = {True: "yes", False: "**NO**", None: "unchecked"}.get(i.get("verified"), "-")
+        missing = "; ".join(f"{compact_values(values)}: {why}" for why, values in summary.not_measured(site).items())
         lines.append(
             f"| {_cell(site)} | {i.get('kind')} | {i.get('heads')} | {i.get('kv_heads')} | {i.get('d_k')} "
-            f"| {tags.scale_label(i.get('scale'), i.get('d_k'))} | {i.get('calls')} |"
+            f"| {tags.scale_label(i.get('scale'), i.get('d_k'))} | {i.get('calls')} | {verified} | {_cell(missing or '-')} |"
         )
     return "\n".join(lines)
 
