@@ -157,3 +157,23 @@ def test_coverage_leaves_grads_as_they_were_under_reentrant_checkpointing():
     before = [p.grad.clone() for p in model.parameters()]
     probe.coverage(model, x)
     assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+
+
+def test_probe_report_and_the_sites_table_show_what_is_not_measured(tmp_path, capsys):
+    from probe.cli.main import main
+    from probe.sinks.tensorboard import sites_table
+
+    model, x = _lora_like(), torch.randn(2, 5, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with probe.watch(model, logdir=str(tmp_path)) as p:
+            model(x).sum().backward()
+            model(x).sum().backward()
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "layers.0  (kind sdpa, heads 2, kv_heads 2, d_k 8, scale 1/√8, calls 2, verified)" in out
+    assert "  not measured: grad_k, grad_v: the tensor does not require grad there" in out
+    table = sites_table(p.summary())
+    assert "| verified | not measured |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| layers.0 "))
+    assert "| yes | grad_k, grad_v: the tensor does not require grad there" in row
