@@ -11,6 +11,7 @@ both name sites with it.
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
@@ -84,7 +85,10 @@ class SiteStack:
     """
 
     def __init__(self, root: nn.Module) -> None:
-        self._root = root
+        # weakly: the root's own hooks hold whoever holds this stack (a probe), and a probe
+        # forgotten by its user must be collected with its model (probe.session.profiler)
+        self._root = weakref.ref(root)
+        self._root_id = id(root)
         self._names: Dict[int, str] = {}
         self._stack: List[List[Any]] = []  # [module id, name, calls issued, module]
         self._handles: List[RemovableHandle] = []
@@ -93,8 +97,9 @@ class SiteStack:
     def activate(self, inside_root: bool = False) -> None:
         """Start tracking (``inside_root``: called from within the root's own forward)."""
         # Re-read the module tree at each activation: modules may have been added since.
-        self._names = site_names(self._root)
-        self._stack = [[id(self._root), "root", 0, self._root]] if inside_root else []
+        root = self._root()
+        self._names = {} if root is None else site_names(root)
+        self._stack = [[self._root_id, "root", 0, root]] if inside_root else []
         self.root_running = int(inside_root)
         self._handles = [
             nn.modules.module.register_module_forward_pre_hook(self._push),
@@ -111,7 +116,7 @@ class SiteStack:
         return bool(self._handles)
 
     def _push(self, module: nn.Module, args: Any) -> None:
-        if module is self._root:
+        if module is self._root():
             if self.root_running == 0:
                 self._stack = [[id(module), "root", 0, module]]
             self.root_running += 1
@@ -124,7 +129,7 @@ class SiteStack:
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
         self._leaving(module)
-        if module is self._root:
+        if module is self._root():
             self.root_running = max(0, self.root_running - 1)
         elif len(self._stack) > 1 and self._stack[-1][0] == id(module):
             self._stack.pop()
@@ -144,7 +149,7 @@ class SiteStack:
 
     def next_site(self) -> Tuple[str, int]:
         """(qualified name, index of this call within the module's current invocation)."""
-        top: List[Any] = self._stack[-1] if self._stack else [id(self._root), "root", 0]
+        top: List[Any] = self._stack[-1] if self._stack else [self._root_id, "root", 0]
         index = int(top[2])
         top[2] += 1
         return str(top[1]), index
