@@ -7,6 +7,7 @@ finds that probe did not report, or reported under another module's name, gets o
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, List, Optional, Set
 
 from torch import nn
@@ -26,7 +27,7 @@ class FirstForwardAudit:
     """
 
     def __init__(self, model: nn.Module, frontends: Any, warn: bool = True, done: bool = False) -> None:
-        self._model = model
+        self._model = weakref.ref(model)  # weakly: a forgotten probe must be collected with its model
         self._frontends = frontends
         self._audit: Optional[Audit] = None
         self._warn = warn
@@ -45,7 +46,10 @@ class FirstForwardAudit:
 
             eager = next((f for f in self._frontends if isinstance(f, EagerFrontEnd)), None)
             followed = None if eager is None else (lambda t: isinstance(eager.get(t), _Scores))
-            self._audit = Audit(self._model, followed)
+            model = self._model()
+            if model is None:
+                return
+            self._audit = Audit(model, followed)
             self._audit.__enter__()
         except Exception:  # noqa: BLE001 - the audit never breaks the model
             self._audit = None
