@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 import zlib
 from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -102,7 +103,9 @@ class Recorder:
                  extra_scales: Mapping[str, ExtraScale], saturation: float, memory_budget: int,
                  rows: Optional[int], grads: bool, site_ok: Optional[Callable[[str], bool]],
                  warn: Callable[[str], None]) -> None:
-        self.model = model
+        # weakly: the model's hooks hold the probe that holds this recorder, and a probe its user
+        # forgot must be collected with its model (probe.session.profiler)
+        self._model = weakref.ref(model)
         self.stack = stack
         self.frontends = frontends
         self.extra_scales = extra_scales
@@ -206,9 +209,11 @@ class Recorder:
         if self.grads and torch.is_grad_enabled():
             self.grad_hooks.register(call, key, self.step, scales, self.memory_budget, rows)
         elif self.grads and self.grad_hooks.root_grad:  # no_grad inside a training forward: reentrant checkpoint
-            module = self.model.get_submodule(name) if name != "root" else self.model
+            root = self._model()
+            module = None if root is None else root.get_submodule(name) if name != "root" else root
             scales_for = (lambda c: {}) if not scales else self.scales_for
-            self.grad_hooks.defer(module, key, self.step, scales_for, self.memory_budget, self.frontends)
+            if module is not None:
+                self.grad_hooks.defer(module, key, self.step, scales_for, self.memory_budget, self.frontends)
 
     def forward_end(self, step: int, calls: int, auto: bool, output: Any, compiled: bool = False) -> None:
         """A captured root forward of ``step`` ended, having emitted ``calls`` attention calls
