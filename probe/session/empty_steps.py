@@ -23,6 +23,7 @@ cost nothing; after the warning the watcher is no longer armed.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional
 
 from torch import nn
@@ -49,7 +50,7 @@ class EmptySteps:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self._model = model
+        self._model = weakref.ref(model)  # weakly: a forgotten probe is collected with its model
         self._step: Optional[int] = None
         self._sampled = False
         self._forwards = 0  # root forwards captured in the current step
@@ -72,11 +73,12 @@ class EmptySteps:
         self._ran = []
         self._root_ran = False
         if sampled and not self.warned:
-            self._names = site_names(self._model)
+            model = self._model()
+            self._names = {} if model is None else site_names(model)
             self._handle = nn.modules.module.register_module_forward_pre_hook(self._seen)
 
     def _seen(self, module: nn.Module, args: Any) -> None:
-        if module is self._model:
+        if module is self._model():
             self._root_ran = True  # its own forward runs (captured, or paused for an evaluation)
             self._disarm()
             return
@@ -129,7 +131,8 @@ class EmptySteps:
             return
         if windows and closing and not ran and not self._root_ran:
             return  # the step raised before any part of the module ran
-        watched = _describe(self._model)
+        model = self._model()
+        watched = "the watched module" if model is None else _describe(model)
         shown = ", ".join(ran[:_SHOWN]) + (f" and {len(ran) - _SHOWN} more" if len(ran) > _SHOWN else "")
         if windows:
             what = "its own forward" if self._root_ran else (f"its submodules {shown}" if ran else "none of its parts")
