@@ -56,8 +56,9 @@ def test_trainer_run_holds_loss_and_probe_scalars_at_optimizer_steps(tmp_path) -
     rec = Recorder()
     cb = ProbeCallback(every=1, sinks=[rec])
     # 4 optimizer steps of 2 micro-batches each, with an evaluation every 2 steps
-    make_trainer(tmp_path, cb, max_steps=4, gradient_accumulation_steps=2,
-                 eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2).train()
+    trainer = make_trainer(tmp_path, cb, max_steps=4, gradient_accumulation_steps=2,  # kept: a closed probe
+                           eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)  # holds its model weakly
+    trainer.train()
     dirs = run_dirs(tmp_path)
     assert len(dirs) == 1, dirs                  # one TensorBoard run: the Trainer's
     tags = scalars(dirs[0])
