@@ -42,7 +42,7 @@ from torch import nn
 
 from probe.errors import ProbeError
 
-__all__ = ["EagerSteps", "check_model", "is_compiled", "outside_graph"]
+__all__ = ["EagerSteps", "check_model", "is_compiled", "outside_graph", "skipped_compiled"]
 
 
 def _dynamo() -> Optional[Any]:
@@ -136,6 +136,14 @@ def check_model(model: nn.Module) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def skipped_compiled(step: int) -> str:
+    """The warning for a sampled step whose root forward already ran compiled."""
+    return (f"probe: step {step} was sampled but the model's root forward already runs compiled (torch.compile "
+            "applied after probe.watch, model.compile() or a compiled training step); probe skipped it and runs "
+            "later sampled steps eagerly. To probe from the first step, watch the compiled module: "
+            "probe.watch(torch.compile(model)).")
 
 
 class EagerSteps:

@@ -98,5 +98,7 @@ class InertHook:
         for hooks in (module._forward_pre_hooks, module._forward_hooks):
             for key in [k for k, hook in hooks.items() if hook is self]:
                 del hooks[key]
-                module._forward_hooks_always_called.pop(key, None)
+                for flags in (module._forward_hooks_always_called, module._forward_pre_hooks_with_kwargs,
+                              module._forward_hooks_with_kwargs):
+                    flags.pop(key, None)
         return None

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from probe.errors import ProbeError
 from probe.ci.expressions import SCALE_NAME
 
-__all__ = ["BUILTIN_SCALES", "DEFAULT_ROWS", "ExtraScale", "check_int", "check_scales", "check_seconds", "scale_value", "tensorboard_sink"]
+__all__ = ["BUILTIN_SCALES", "DEFAULT_ROWS", "ExtraScale", "check_audit", "check_fraction", "check_int", "check_scales",
+           "check_seconds", "output_sinks", "scale_value", "tensorboard_sink"]
 
 #: An extra named scale: a float, or a callable of d_k.
 ExtraScale = Union[float, Callable[[int], float]]
@@ -68,6 +69,38 @@ def scale_value(name: str, fn: Callable[[int], float], d_k: int) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
         raise ProbeError(f"expected `scales[{name!r}]`(d_k) to return a finite float, got {value!r} for d_k={d_k}")
     return float(value)
+
+
+def check_fraction(name: str, value: Any) -> float:
+    """A float in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ProbeError(f"expected `{name}` to be a float in (0, 1], got {value!r}")
+    return float(value)
+
+
+def check_audit(value: Any) -> Union[bool, str]:
+    if not isinstance(value, bool) and value != "quiet":
+        raise ProbeError(f"expected `audit` to be True, False or 'quiet', got {value!r}")
+    return value
+
+
+def output_sinks(logdir: Any, per_head: bool, sinks: Sequence[Any], writes: bool) -> Tuple[List[Any], Optional[str]]:
+    """The sinks a probe feeds and the directory of its ``probe_summary.json`` (``None``: none):
+    TensorBoard in ``logdir`` (validated on every rank) and the user's ``sinks``, on the process
+    that ``writes`` only (rank 0 of a group)."""
+    from probe.sinks.base import Sink
+
+    for sink in sinks:
+        if not isinstance(sink, Sink):
+            raise ProbeError(f"expected every sink to have write/flush/close, got {type(sink).__name__}")
+    out: List[Any] = []
+    path: Optional[str] = None
+    if logdir is not None:
+        sink, path = tensorboard_sink(logdir, per_head)
+        out.append(sink)
+    if not writes:
+        return [], None
+    return out + list(sinks), path
 
 
 def check_seconds(name: str, value: Any) -> float:

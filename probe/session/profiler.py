@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import atexit
 import os
+import threading
 import warnings
 import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
@@ -14,13 +14,15 @@ from torch import nn
 from probe.capture.audit_warning import FirstForwardAudit
 from probe.capture.mode import CaptureMode, ModuleStack, SitesFilter, site_filter
 from probe.capture.registry import default_frontends
-from probe.session.compiled import EagerSteps, check_model, is_compiled, outside_graph
+from probe.session.compiled import EagerSteps, check_model, is_compiled, outside_graph, skipped_compiled
 from probe.state.distributed import resolve_group
 from probe.errors import ProbeError
 from probe.session.forward_guard import ForwardFrame, RootHook
 from probe.session.lifecycle import Counting, Event, Lifecycle, Phase
+from probe.session.transforms import StepAside, transform_running
 from probe.once import WarnOnce
-from probe.session.options import BUILTIN_SCALES, DEFAULT_ROWS, ExtraScale, check_int, check_scales, check_seconds, tensorboard_sink
+from probe.session.options import (BUILTIN_SCALES, DEFAULT_ROWS, ExtraScale, check_audit, check_fraction, check_int,
+                                   check_scales, check_seconds, output_sinks)
 from probe.session.recorder import Recorder
 from probe.state.results import Results, step_ends
 from probe.session.schedule import Action, Schedule
@@ -68,6 +70,10 @@ class Probe:
         offset: sample the steps with ``step % every == offset`` (a trainer logging N-1, 2N-1, ...).
     """
 
+    # The model is held in a slot, outside ``__dict__``: the finalizer closes a forgotten probe
+    # from its ``__dict__``, which therefore must not reach the model (its hooks hold the probe).
+    __slots__ = ("_root", "__dict__", "__weakref__")
+
     def __init__(
         self,
         model: nn.Module,
@@ -96,35 +102,20 @@ class Probe:
         self._schedule = Schedule(self.every, self.flush_every, check_int("offset", offset, 0))
         self.memory_budget = check_int("memory_budget", memory_budget, 1)
         self.rows = None if rows is None else check_int("rows", rows, 1)
-        if isinstance(saturation, bool) or not isinstance(saturation, (int, float)) or not 0 < saturation <= 1:
-            raise ProbeError(f"expected `saturation` to be a float in (0, 1], got {saturation!r}")
-        self.saturation = float(saturation)
+        self.saturation = check_fraction("saturation", saturation)
         self.close_timeout = check_seconds("close_timeout", close_timeout)
         self.extra_scales = check_scales(scales)
         self.grads = bool(grads)
-        if not isinstance(audit, bool) and audit != "quiet":
-            raise ProbeError(f"expected `audit` to be True, False or 'quiet', got {audit!r}")
+        audit = check_audit(audit)
         self.per_head = bool(per_head)
         self._sites_filter = sites
         self._site_ok = site_filter(sites)
-        for sink in sinks:
-            if not isinstance(sink, Sink):
-                raise ProbeError(f"expected every sink to have write/flush/close, got {type(sink).__name__}")
-
         self._dist = resolve_group(group)  # None: statistics stay local to this process
         writes = self._dist is None or self._dist.rank == 0  # only rank 0 of the group writes
-        self._logdir: Optional[str] = None
-        self._sinks: List[Sink] = []
-        if logdir is not None:
-            sink, self._logdir = tensorboard_sink(logdir, per_head)  # validates `logdir` on every rank
-            if writes:
-                self._sinks.append(sink)
-            else:
-                self._logdir = None  # no probe_summary.json either
-        if writes:
-            self._sinks.extend(sinks)
+        self._sinks, self._logdir = output_sinks(logdir, per_head, sinks, writes)
 
-        self.model = model
+        self._root: Optional[nn.Module] = model  # a slot: strong while open (see _close_forgotten)
+        self._model_ref = weakref.ref(model)
         self._stack = ModuleStack(model)
         self._frontends = default_frontends()
         self._mode: Optional[CaptureMode] = None
@@ -132,6 +123,7 @@ class Probe:
         self._eager.attach(model)
         self._emitted_before = 0
         self._warned_compiled = WarnOnce()
+        self._aside = StepAside()  # torch.jit.trace, torch.export, torch.func, fake and meta tensors
         self._results = Results()
         summary_path = None if self._logdir is None else os.path.join(self._logdir, SUMMARY_FILE)
         # the writer folds flushes into the results and feeds the sinks and the summary file
@@ -142,15 +134,20 @@ class Probe:
                              grads=self.grads, site_ok=self._site_ok, warn=self._writer.warn)
         self._audit = FirstForwardAudit(model, self._frontends, done=not audit, warn=audit != "quiet")
         self._life = Lifecycle()  # READY; every phase change goes through it (probe.session.lifecycle)
-        self._warned_filter = False
+        self._warned_filter = WarnOnce()
         self._handles = [
             # RootHook: a deepcopy / pickle / torch.save of the model copies them as inert hooks
-            model.register_forward_pre_hook(RootHook(self._on_forward_start)),
-            model.register_forward_hook(RootHook(self._on_forward_end), always_call=True),
+            model.register_forward_pre_hook(RootHook(self._on_forward_start), with_kwargs=True),
+            model.register_forward_hook(RootHook(self._on_forward_end), with_kwargs=True, always_call=True),
         ]
-        ref = weakref.ref(self)
-        self._atexit = lambda: (lambda p: p.close() if p is not None else None)(ref())
-        atexit.register(self._atexit)
+        # Closed without close() when collected or at interpreter exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, _close_forgotten, type(self), self.__dict__)
+
+    @property
+    def model(self) -> Optional[nn.Module]:
+        """The watched module. A closed probe holds it weakly: ``None`` once it was collected."""
+        root = getattr(self, "_root", None)
+        return root if root is not None else self._model_ref()
 
     # -- steps ---------------------------------------------------------------------------------
     @property
@@ -227,9 +224,14 @@ class Probe:
         self._eager.arm(not life.paused and self._sampled(life.following_step()))
 
     # -- root hooks: FORWARD_START and FORWARD_END ---------------------------------------------
-    def _on_forward_start(self, module: nn.Module, args: Any) -> None:
+    def _on_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if torch.compiler.is_compiling():  # Dynamo traces the root's hooks: leave the graph
-            return outside_graph(self._on_traced_forward_start, module, args)
+            if torch.compiler.is_exporting():  # torch.export: no graph break allowed, nothing to measure
+                self._aside(args, kwargs, "torch.export")
+                return None
+            return outside_graph(self._on_traced_forward_start, module, args, kwargs)
+        if self._aside(args, kwargs):  # the model runs as without probe
+            return None
         self._recover_if_interrupted()
         life = self._life
         if life.in_forward:  # the root called again from inside its own forward
@@ -249,26 +251,26 @@ class Probe:
             # whose forward issues no attention call.
             self._rec.open_step(step)
         if capture and self._eager.in_graph and not self._eager.active:
-            self._warn_compiled("skipped", f"probe: step {step} was sampled but the model's root forward "
-                                "already runs compiled (torch.compile applied after probe.watch, model.compile() or "
-                                "a compiled training step); probe skipped it and runs later sampled steps eagerly. "
-                                "To probe from the first step, watch the compiled module: "
-                                "probe.watch(torch.compile(model)).")
+            self._warned_compiled("skipped", skipped_compiled(step), stacklevel=3)
             capture = False
         life.start_forward(capture, new_step)
         if capture:
             self._start_capture()
 
-    def _on_traced_forward_start(self, module: nn.Module, args: Any) -> None:
+    def _on_traced_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._eager.hooks_traced = self._eager.in_graph = True
         try:
-            self._on_forward_start(module, args)
+            self._on_forward_start(module, args, kwargs)
         finally:
             self._eager.in_graph = False
 
-    def _on_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _on_forward_end(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
-            return outside_graph(self._on_forward_end, module, args, output)
+            if torch.compiler.is_exporting():
+                return None
+            return outside_graph(self._on_forward_end, module, args, kwargs, output)
+        if transform_running(args, kwargs) is not None:  # as at its start: stepped aside
+            return None
         life = self._life
         if not life.in_forward:
             return
@@ -284,9 +286,6 @@ class Probe:
                                   life.counting is Counting.AUTO, output,
                                   compiled=self._eager.hooks_traced or is_compiled(self.model))
         self._arm_next()
-
-    def _warn_compiled(self, kind: str, message: str) -> None:
-        self._warned_compiled(kind, message, stacklevel=3)
 
     def _emit(self, call: Any, key: Any = None) -> None:
         if self._frame.stale():
@@ -341,17 +340,10 @@ class Probe:
                 self._writer.submit(window)
 
     def _check_filter(self) -> None:
-        filtered_out = self._rec.filtered_out
-        if self._warned_filter or self._site_ok is None or not filtered_out:
-            return
-        if not self._rec.acc and self._writer.empty:
-            self._warned_filter = True
-            warnings.warn(
-                f"probe: `sites` filter {self._sites_filter!r} matched none of the attention sites seen: "
-                f"{', '.join(sorted(filtered_out))}",
-                UserWarning,
-                stacklevel=3,
-            )
+        unmatched = self._rec.filtered_out
+        if self._site_ok is not None and unmatched and not self._rec.acc and self._writer.empty:
+            self._warned_filter("sites", f"probe: `sites` filter {self._sites_filter!r} matched none of the attention "
+                                f"sites seen: {', '.join(sorted(unmatched))}", stacklevel=3)
 
     # -- results ---------------------------------------------------------------------------------
     def summary(self) -> Summary:
@@ -390,7 +382,8 @@ class Probe:
         self._recover_if_interrupted()
         self._close_window()
         self._life.close()
-        atexit.unregister(self._atexit)
+        self._finalizer.detach()
+        self._root = None  # a closed probe keeps nothing of the model alive
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -426,6 +419,25 @@ class Probe:
 
     def __repr__(self) -> str:
         return f"Probe(every={self.every}, step={self._rec.step}, {self._life.phase.name.lower()})"
+
+
+def _close_forgotten(cls: type, state: Dict[str, Any]) -> None:
+    """``weakref.finalize``'s callback for a probe collected, or alive at interpreter exit, that
+    was never closed: a stand-in over the same attributes closes it (flush, summary file, sinks),
+    with a warning. On one of the probe's own writer threads (a collection can happen anywhere),
+    the closing runs on a new thread: a lane cannot wait for itself."""
+    probe = cls.__new__(cls)
+    probe.__dict__ = state  # the same attributes, not a copy: at exit the probe may still be alive
+    if probe._life.closed:
+        return
+    where = f" writing to {probe._logdir!r}" if probe._logdir else ""
+    warnings.warn(f"probe: a Probe{where} was never closed; probe closed it when it was collected or at interpreter "
+                  "exit (its summary and last window are written). Call p.close(), or use `with probe.watch(...)`.",
+                  UserWarning, stacklevel=2)
+    if probe._writer.on_own_thread():
+        threading.Thread(target=probe.close, name="probe-close").start()
+    else:
+        probe.close()
 
 
 def watch(

@@ -166,6 +166,10 @@ class _Lane:
     def started(self) -> bool:
         return self._thread is not None
 
+    @property
+    def thread(self) -> Optional[threading.Thread]:
+        return self._thread
+
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
@@ -405,6 +409,11 @@ class Writer:
                     "are complete in Probe.summary() and probe_summary.json."
                 )
         return late
+
+    def on_own_thread(self) -> bool:
+        """Whether the caller runs on one of this writer's threads (a lane or the refresher)."""
+        me = threading.current_thread()
+        return me is self._refresher or any(lane.thread is me for lane in self._lanes)
 
     @property
     def failures(self) -> Dict[str, int]:

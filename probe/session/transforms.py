@@ -1,0 +1,101 @@
+"""PyTorch's transforms probe steps aside for: a forward of the watched model it cannot measure.
+
+probe measures a forward by running statistics on the real tensors of its attention calls and
+by hooking their gradients. Under a transform those tensors are not real, or the forward is
+not a training step:
+
+* ``torch.jit.trace`` (and TensorBoard's ``SummaryWriter.add_graph``, which traces): every op
+  probe ran would be recorded into the graph, and the trace check would see two graphs differ;
+* ``torch.export.export``: the forward runs under Dynamo or on fake tensors, for a graph;
+* ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``, ...; per-sample gradients with
+  ``vmap(grad(functional_call(...)))``): tensors are functorch wrappers, whose values probe's
+  statistics cannot read (``.item()``, storage access);
+* ``FakeTensorMode``, ``make_fx`` and functionalization, and meta-device tensors: no values at all.
+
+For such a forward probe changes nothing: the model runs as without probe, the step counter,
+the statistics and the flush state are untouched, and one warning per kind of transform says
+what was skipped. ``torch.compile``'s own tracing is not one of them: probe runs its hooks
+outside the graph (:mod:`probe.session.compiled`).
+
+The checks cost a few C calls per root forward (the thread's tracing state, the functorch
+level, three dispatch-mode slots, the first tensor argument).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from probe.once import WarnOnce
+
+__all__ = ["StepAside", "transform_running"]
+
+_MODES = (("FAKE", "FakeTensorMode (fake tensors)"), ("PROXY", "make_fx / proxy tracing"),
+          ("FUNCTIONAL", "functionalization"))
+
+
+def _first_tensor(args: Sequence[Any], kwargs: Optional[Mapping[str, Any]]) -> Optional[Tensor]:
+    values = list(args) + (list(kwargs.values()) if kwargs else [])
+    for value in values:
+        if isinstance(value, Tensor):
+            return value
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, Tensor):
+                    return item
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                if isinstance(item, Tensor):
+                    return item
+    return None
+
+
+def transform_running(args: Sequence[Any] = (), kwargs: Optional[Mapping[str, Any]] = None) -> Optional[str]:
+    """What probe cannot measure under, if a forward called with ``args`` / ``kwargs`` runs
+    under it now: a short name for the warning, or ``None`` (see the module docstring)."""
+    jit_trace = sys.modules.get("torch.jit._trace")
+    # the module map is set for the whole of torch.jit.trace(module): also while its check runs
+    # the module eagerly to compare (the tracing state is off then)
+    if torch.jit.is_tracing() or getattr(jit_trace, "_trace_module_map", None) is not None:
+        return "torch.jit.trace (SummaryWriter.add_graph traces too)"
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    if is_exporting is not None and is_exporting():
+        return "torch.export"
+    functorch = getattr(torch._C, "_functorch", None)
+    if functorch is not None and functorch.maybe_current_level() is not None:
+        return "a torch.func transform (grad, vmap, jacrev, ...)"
+    keys = getattr(torch._C, "_TorchDispatchModeKey", None)
+    if keys is not None:
+        for key, name in _MODES:
+            if hasattr(keys, key) and torch._C._get_dispatch_mode(getattr(keys, key)) is not None:
+                return name
+    tensor = _first_tensor(args, kwargs)
+    if tensor is not None:
+        if tensor.is_meta:
+            return "meta-device tensors"
+        fake = sys.modules.get("torch._subclasses.fake_tensor")
+        if fake is not None and isinstance(tensor, fake.FakeTensor):
+            return "FakeTensorMode (fake tensors)"
+        if functorch is not None and functorch.is_functorch_wrapped_tensor(tensor):
+            return "a torch.func transform (grad, vmap, jacrev, ...)"
+    return None
+
+
+class StepAside:
+    """The profiler's use of :func:`transform_running`: whether a root forward is one probe steps
+    aside for, with one warning per kind of transform."""
+
+    def __init__(self) -> None:
+        self._warned = WarnOnce()
+
+    def __call__(self, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]], what: Optional[str] = None) -> bool:
+        """Whether to step aside for this forward (``what``: already known, e.g. ``torch.export``)."""
+        what = what or transform_running(args, kwargs)
+        if what is None:
+            return False
+        self._warned(what, f"probe: a forward of the watched model ran under {what}; probe stepped aside for it "
+                     "(not measured, not counted as a step; the model ran as without probe)", stacklevel=4)
+        return True
