@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 import weakref
@@ -24,11 +23,10 @@ from probe.once import WarnOnce
 from probe.session.options import (BUILTIN_SCALES, DEFAULT_ROWS, ExtraScale, check_audit, check_fraction, check_int,
                                    check_scales, check_seconds, output_sinks)
 from probe.session.recorder import Recorder
-from probe.state.results import Results, step_ends
 from probe.session.schedule import Action, Schedule
 from probe.sinks.base import Sink
-from probe.state.writer import Writer
-from probe.summary import SUMMARY_FILE, Summary
+from probe.session.outputs import Outputs
+from probe.summary import Summary
 
 __all__ = ["BUILTIN_SCALES", "Probe", "watch"]
 
@@ -108,11 +106,10 @@ class Probe:
         self.grads = bool(grads)
         audit = check_audit(audit)
         self.per_head = bool(per_head)
-        self._sites_filter = sites
         self._site_ok = site_filter(sites)
         self._dist = resolve_group(group)  # None: statistics stay local to this process
         writes = self._dist is None or self._dist.rank == 0  # only rank 0 of the group writes
-        self._sinks, self._logdir = output_sinks(logdir, per_head, sinks, writes)
+        sinks, logdir = output_sinks(logdir, per_head, sinks, writes)
 
         self._root: Optional[nn.Module] = model  # a slot: strong while open (see _close_forgotten)
         self._model_ref = weakref.ref(model)
@@ -124,17 +121,14 @@ class Probe:
         self._emitted_before = 0
         self._warned_compiled = WarnOnce()
         self._aside = StepAside()  # torch.jit.trace, torch.export, torch.func, fake and meta tensors
-        self._results = Results()
-        summary_path = None if self._logdir is None else os.path.join(self._logdir, SUMMARY_FILE)
-        # the writer folds flushes into the results and feeds the sinks and the summary file
-        self._writer = Writer(self._sinks, self._results, summary_path, meta=self._meta())
+        self._out = Outputs(sinks, logdir, self._meta(), self._dist, sites, self._site_ok)  # writer, results
         self._frame = ForwardFrame()  # the root forward in progress, to notice one a BaseException ended
         self._rec = Recorder(model, self._stack, self._frontends, extra_scales=self.extra_scales,
                              saturation=self.saturation, memory_budget=self.memory_budget, rows=self.rows,
-                             grads=self.grads, site_ok=self._site_ok, warn=self._writer.warn)
+                             grads=self.grads, site_ok=self._site_ok, warn=self._out.writer.warn)
+        self._out.rec = self._rec
         self._audit = FirstForwardAudit(model, self._frontends, done=not audit, warn=audit != "quiet")
         self._life = Lifecycle()  # READY; every phase change goes through it (probe.session.lifecycle)
-        self._warned_filter = WarnOnce()
         self._handles = [
             # RootHook: a deepcopy / pickle / torch.save of the model copies them as inert hooks
             model.register_forward_pre_hook(RootHook(self._on_forward_start), with_kwargs=True),
@@ -209,7 +203,7 @@ class Probe:
         if flush and self._schedule.window_full(self._rec.window):
             self._flush()
         if wait:
-            self._writer.flush()
+            self._out.writer.flush()
 
     def _sampled(self, step: int) -> bool:
         return self._schedule(step) is Action.RECORD
@@ -296,6 +290,8 @@ class Probe:
                 self._mode.pass_through()
             self._stack.deactivate()
             return
+        if self._aside.call(call.q):  # a transform inside a recorded window (torch.func, fake tensors)
+            return
         self._rec.emit(call, key)
 
     def _recover_if_interrupted(self) -> None:
@@ -328,24 +324,10 @@ class Probe:
         self._audit.finish(self._rec)
         self._eager.exit()
 
-    # -- flush -----------------------------------------------------------------------------------
+    # -- flush and results -------------------------------------------------------------------------
     def _flush(self) -> None:
-        """Hand the recorder's window to the writer: one packed tensor, one device→host copy
-        started (under ``torch.distributed``: reduced across the group's ranks first, a
-        collective on the training thread, ordered with the training's own collectives)."""
-        self._check_filter()
-        with self._rec.lock:  # a summary() on another thread sees the window in one place or the other
-            window = self._rec.snapshot(reducer=self._dist)
-            if window is not None:
-                self._writer.submit(window)
+        self._out.flush()
 
-    def _check_filter(self) -> None:
-        unmatched = self._rec.filtered_out
-        if self._site_ok is not None and unmatched and not self._rec.acc and self._writer.empty:
-            self._warned_filter("sites", f"probe: `sites` filter {self._sites_filter!r} matched none of the attention "
-                                f"sites seen: {', '.join(sorted(unmatched))}", stacklevel=3)
-
-    # -- results ---------------------------------------------------------------------------------
     def summary(self) -> Summary:
         """Metrics aggregated over every probed step so far (including the current one). Safe
         from any thread while training runs (a dashboard, a notebook widget).
@@ -355,15 +337,7 @@ class Probe:
         until the next flush, and reading it here must not need a collective.
         """
         self._recover_if_interrupted()
-        local = self._dist is None
-        with self._rec.lock:
-            window = self._rec.snapshot(reset=False) if local else None
-            open_steps = list(self._rec.window) if local else []
-            probed, _ = self._writer.fold_all()  # flushed windows into the totals; never waits on a sink
-        pending = {} if window is None else window.materialize()
-        infos = {} if window is None else window.infos
-        probed.update(open_steps)  # meta: which steps (for the CLI)
-        return self._results.summary(pending, infos, len(probed), {**self._meta(), **step_ends(probed)})
+        return self._out.summary()
 
     def _meta(self) -> Dict[str, Any]:
         return {"every": self.every, "saturation": self.saturation, "scales": list(BUILTIN_SCALES) + list(self.extra_scales)}
@@ -372,7 +346,7 @@ class Probe:
         """Wait until every sink has written and flushed the statistics flushed so far (at most
         ``timeout`` seconds). Returns whether they all did. Training never needs this: sinks catch
         up on their own within a couple of seconds (docs/guarantees.md)."""
-        return self._writer.flush(timeout)
+        return self._out.writer.flush(timeout)
 
     # -- lifecycle: CLOSE --------------------------------------------------------------------------
     def close(self) -> None:
@@ -390,21 +364,7 @@ class Probe:
         self._rec.empty_steps.end(closing=True)
         self._rec.grad_hooks.remove()
         self._stop_capture()
-        try:
-            if self._dist is not None:
-                # A collective: every rank closes and flushes, even one with nothing to add.
-                if self._dist.usable():
-                    self._flush()
-                elif self._rec.pending:
-                    self._writer.warn("probe: torch.distributed was shut down before Probe.close(); the last "
-                                      "window of statistics was not reduced (close the probe first)")
-            elif self._rec.pending:
-                self._flush()
-            if self._logdir is not None:
-                # Before waiting on the sinks: a slow sink or a second Ctrl-C cannot cost the summary.
-                self._writer.save(self.summary(), final=True)
-        finally:
-            self._writer.close(self.close_timeout)
+        self._out.close(self.close_timeout)
 
     def _check_open(self, what: str) -> None:
         if self._life.closed:
@@ -430,11 +390,11 @@ def _close_forgotten(cls: type, state: Dict[str, Any]) -> None:
     probe.__dict__ = state  # the same attributes, not a copy: at exit the probe may still be alive
     if probe._life.closed:
         return
-    where = f" writing to {probe._logdir!r}" if probe._logdir else ""
+    where = f" writing to {probe._out.logdir!r}" if probe._out.logdir else ""
     warnings.warn(f"probe: a Probe{where} was never closed; probe closed it when it was collected or at interpreter "
                   "exit (its summary and last window are written). Call p.close(), or use `with probe.watch(...)`.",
                   UserWarning, stacklevel=2)
-    if probe._writer.on_own_thread():
+    if probe._out.writer.on_own_thread():
         threading.Thread(target=probe.close, name="probe-close").start()
     else:
         probe.close()

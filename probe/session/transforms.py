@@ -99,3 +99,13 @@ class StepAside:
         self._warned(what, f"probe: a forward of the watched model ran under {what}; probe stepped aside for it "
                      "(not measured, not counted as a step; the model ran as without probe)", stacklevel=4)
         return True
+
+    def call(self, q: Tensor) -> bool:
+        """Whether an attention call with query ``q``, captured inside a recorded step, runs under
+        a transform: it is not measured (one warning per kind)."""
+        what = transform_running((q,))
+        if what is None:
+            return False
+        self._warned(what, f"probe: an attention call ran under {what} inside a recorded step; probe did not "
+                     "measure it (the model ran as without probe)", stacklevel=4)
+        return True

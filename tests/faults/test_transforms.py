@@ -154,3 +154,24 @@ def test_a_transform_inside_a_training_forward_keeps_probe_state():
                 torch.jit.trace(model, x, check_trace=False)
                 _train(model, x, 1)
     assert p.summary().steps == 3
+
+
+@pytest.mark.parametrize("name", ["func_grad", "vmap_grad", "fake_tensor_mode", "jit_trace"])
+def test_a_transform_inside_a_recorded_window_is_not_measured(name):
+    """A training step recorded whole (p.step(n, window=True), as the Lightning callback does)
+    that also computes per-sample gradients, or traces the model: the transform's attention calls
+    are not measured, the step's own are, one warning names the transform."""
+    transform, named = TRANSFORMS[name]
+    model = SDPAModel(layers=1)
+    x = torch.randn(2, 5, 64)
+    expected = transform(copy.deepcopy(model), x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.watch(model, audit=False) as p:
+            p.step(0, window=True)
+            got = transform(model, x)
+            _train(model, x, 1)
+    assert _same(got, expected)
+    mine = [str(w.message) for w in caught if str(w.message).startswith("probe:")]
+    assert len(mine) == 1 and named in mine[0], mine
+    assert p.summary().steps == 1 and p.summary().info("layers.0")["calls"] == 1

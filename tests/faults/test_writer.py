@@ -95,12 +95,12 @@ def test_a_full_queue_merges_windows_with_a_warning_and_drops_nothing():
     model, xs = model_and_inputs(12)
     blocked = BlockingSink()
     p = probe.watch(model, sinks=[blocked])
-    p._writer.max_pending = 3
+    p._out.writer.max_pending = 3
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for x in xs:
             train_step(model, x)
-        lane = p._writer._lanes[0]
+        lane = p._out.writer._lanes[0]
         assert len(lane._queue) <= 3  # bounded: 11 flushes so far, the sink still holds step 0
         blocked.release.set()
         p.close()
@@ -129,7 +129,7 @@ def test_sinks_are_flushed_within_the_refresh_interval_without_a_call():
     model, xs = model_and_inputs(2)
     sink = Flushes()
     with probe.watch(model, sinks=[sink]) as p:
-        p._writer.refresh_seconds = 0.2
+        p._out.writer.refresh_seconds = 0.2
         for x in xs:
             train_step(model, x)
         assert sink.flushed.wait(20), "the sink was never flushed while the run went on"
@@ -138,7 +138,7 @@ def test_sinks_are_flushed_within_the_refresh_interval_without_a_call():
 def test_the_summary_file_is_refreshed_while_the_run_goes(tmp_path):
     model, xs = model_and_inputs(3)
     p = probe.watch(model, logdir=tmp_path)
-    p._writer.refresh_seconds = 0.1
+    p._out.writer.refresh_seconds = 0.1
     for x in xs:
         train_step(model, x)
     deadline = time.monotonic() + 30
