@@ -110,7 +110,9 @@ def sdpa_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Optional[Te
 def traced(call: AttentionCall, bound: Dict[str, Any], prescaled: Callable[[Tensor], Any]) -> AttentionCall:
     """``call`` with scalar factors applied to q or k before SDPA (``q = q_proj(h) * s`` then
     ``scale=1``: OPT, Whisper) taken out of q / k and into the scale, as the eager front end
-    does; ``prescaled(t)`` gives ``(base, factor, tensor factor, how)`` for such a tensor."""
+    does; ``prescaled(t)`` gives ``(base, factor, tensor factor, how)`` for such a tensor, or
+    ``(None, 1.0, None, why)`` when an op probe does not model touched it after a factor: the
+    call's scale is then unknown (``AttentionCall.scale_unknown``, `actual` only)."""
     how = []
     grad_of = dict(call.grad_of or {})
     fields: Dict[str, Any] = {"scale": call.scale}
@@ -119,6 +121,9 @@ def traced(call: AttentionCall, bound: Dict[str, Any], prescaled: Callable[[Tens
         if found is None:
             continue
         base, f, f_t, text = found
+        if base is None:
+            fields["scale_unknown"] = text
+            continue
         if tuple(base.shape) != tuple(bound[arg].shape):
             continue
         own = bound[arg]
@@ -127,9 +132,9 @@ def traced(call: AttentionCall, bound: Dict[str, Any], prescaled: Callable[[Tens
         fields["scale"] = factor * fields["scale"]
         grad_of[name] = (own, lambda g, factor=factor: _to_4d(g) * factor)
         how.append(f"{name} {text}")
-    if not how:
+    if not how and "scale_unknown" not in fields:
         return call
-    return dataclasses.replace(call, grad_of=grad_of, scale_from="; ".join(how) + " before SDPA",
+    return dataclasses.replace(call, grad_of=grad_of, scale_from=("; ".join(how) + " before SDPA") if how else None,
                                **fields)
 
 
