@@ -248,9 +248,12 @@ class EagerFrontEnd(FrontEnd):
         record = self.get(t)
         return record if isinstance(record, Operand) else None
 
-    def prescaled(self, t: Any) -> Optional[Tuple[Tensor, float, Optional[Tensor], str]]:
-        """``(base, factor, tensor factor, how)`` when ``t`` is ``base`` times a scalar (for SDPA)."""
+    def prescaled(self, t: Any) -> Optional[Tuple[Optional[Tensor], float, Optional[Tensor], str]]:
+        """``(base, factor, tensor factor, how)`` when ``t`` is ``base`` times a scalar (for SDPA);
+        ``(None, 1.0, None, why)`` when ``t`` is opaque (its scale cannot be attributed)."""
         record = self.operand(t)
+        if record is not None and record.opaque:
+            return None, 1.0, None, record.opaque
         if record is not None and record.base is not None:
             return record.base, record.factor, record.factor_t, record.how
         return None

@@ -750,3 +750,18 @@ def test_talking_heads_as_a_linear_layer_over_the_heads() -> None:
     for g in ("grad_logits", "grad_q", "grad_k", "grad_v"):
         assert g in s.metrics("root")
     assert not probe.coverage(TalkingLinear(), torch.randn(B, L, H * D)).missed
+
+
+def core_opaque_sdpa(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return F.scaled_dot_product_attention((q * S0).clamp(-3.0, 3.0), k, v, scale=1.0)
+
+
+def test_an_opaque_operand_of_sdpa_has_an_unknown_scale() -> None:
+    net, s, warned = run(core_opaque_sdpa, grads=False)
+    for name, block in zip(s.sites, net.blocks):
+        info = s.info(name)
+        assert info["scale"] is None and "`clamp`" in info["scale_unknown"], info
+        q, k = block.raw
+        probs = ((q * S0).clamp(-3.0, 3.0) @ k.transpose(-1, -2)).softmax(-1)
+        np.testing.assert_allclose(s.value(name, "entropy"), entropy_ref(probs), rtol=1e-5, atol=1e-6)
+        assert any(name in w and "`actual` only" in w for w in warned), warned
