@@ -52,9 +52,10 @@ class AttentionCall:
             layout with ``B·H·L·S`` elements), for the backward hook: its gradient is
             ``dP = ∂L/∂P``, dropout between the softmax and ``P @ v`` included; preferred over
             ``output`` for ``grad_logits`` when both are set. ``None`` otherwise.
-        grad_of: for ``"q"``, ``"k"``, ``"v"``, ``"output"`` whose record is not the model's own
-            tensor (q with a scalar factor taken out, k behind a ``repeat_kv`` copy, a 5-D q
-            flattened to 4-D, an einsum operand permuted): ``(tensor, fn)``, the model's own
+        grad_of: for ``"q"``, ``"k"``, ``"v"``, ``"output"``, ``"probs"`` whose record is not the
+            model's own tensor (q with a scalar factor taken out, k behind a ``repeat_kv`` copy, a
+            5-D q flattened to 4-D, an einsum operand permuted, probabilities of ``(H·B, L, S)``
+            head-major rows recorded as ``(B, H, L, S)``): ``(tensor, fn)``, the model's own
             tensor to hook and how its gradient becomes the record's (``fn(grad)``).
         scale_from: where the scale came from, in words (``info["scale_from"]``).
         head_dim: ``d_k`` when it is not ``q.shape[-1]``: heads mixed before the softmax (talking
