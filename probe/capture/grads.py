@@ -149,8 +149,9 @@ class BackwardHooks:
         out, probs = call.output, call.probs
         source, source_fn = None, None
         own_out, out_fn = (call.grad_of or {}).get("output", (out, None))
+        probs, probs_fn = (call.grad_of or {}).get("probs", (probs, None))
         if isinstance(probs, Tensor) and probs.requires_grad:
-            source = probs  # an eager softmax output: its gradient is dP itself, dropout included
+            source, source_fn = probs, probs_fn  # an eager softmax output: its gradient is dP itself, dropout included
         elif isinstance(own_out, Tensor) and own_out.requires_grad and call.v is not None:
             source, source_fn = own_out, out_fn  # its gradient ∂L/∂out gives dP = ∂L/∂out · vᵀ
         plan = self.last_plan  # why a gradient metric will not come (None: hooked)
