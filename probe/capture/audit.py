@@ -128,11 +128,12 @@ class Audit(TorchFunctionMode):
     def reported(self, call: Any, site: str) -> None:
         """A call probe reported, under ``site``: it accounts for the event it came from."""
         event = None
-        probs = getattr(call, "probs", None)
-        if isinstance(probs, Tensor):
-            entry = self._by_probs.get(id(probs))
-            if entry is not None and entry[0]() is probs:
-                event = entry[1]
+        own = (getattr(call, "grad_of", None) or {}).get("probs")  # the model's own P behind a record's view
+        for probs in (getattr(call, "probs", None), own[0] if own else None):
+            if isinstance(probs, Tensor) and event is None:
+                entry = self._by_probs.get(id(probs))
+                if entry is not None and entry[0]() is probs:
+                    event = entry[1]
         if event is None and self._current is not None and self._current.reported is None:
             event = self._current  # emitted while the audit's own softmax / attention op ran
         if event is None:

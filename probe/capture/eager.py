@@ -39,7 +39,7 @@ from torch import Tensor
 from probe.capture import rules_operand, rules_products, rules_scores, rules_softmax  # noqa: F401 - registration
 from probe.capture.frontend import Emit, FrontEnd
 from probe.capture.mode import running_modules
-from probe.capture.ops import ATTENTION, FIRST, OPS, OTHER, SOFTMAX, STARTS
+from probe.capture.ops import ATTENTION, FIRST, OPS, OTHER, PERMUTE, SOFTMAX, STARTS, TRANSPOSE
 from probe.capture.records import PRIORITY, Derived, Operand, Probs, Scores
 from probe.capture.rules import BEFORE, Op, find, unknown
 from probe.capture.rules_softmax import rewrite
@@ -62,6 +62,18 @@ def _version(t: Tensor) -> int:
         return -1
 
 
+def _keeps_dim0(kind: str, args: Tuple[Any, ...]) -> bool:
+    """A transpose or permutation that leaves dim 0 where it is (the common ``transpose(1, 2)``)."""
+    x = args[0] if args else None
+    if not isinstance(x, Tensor) or len(args) < 2:
+        return True  # ``t.mT``, ``t.t()`` without dims: the last two
+    n = x.dim()
+    if kind == TRANSPOSE:
+        return all(not isinstance(d, int) or d % max(n, 1) != 0 for d in args[1:3])
+    first = args[1][0] if isinstance(args[1], (list, tuple)) and args[1] else args[1]
+    return isinstance(first, int) and first % max(n, 1) == 0
+
+
 class EagerFrontEnd(FrontEnd):
     """Recovers q, k, scale, bias, mask and softcap from the ops leading into a softmax."""
 
@@ -80,9 +92,15 @@ class EagerFrontEnd(FrontEnd):
         return overrides.rules_active()  # variants do not reach eager attention
 
     def passes(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
-        """Whether the mode may run ``func`` untouched: its kind cannot start a record and none of
-        its inputs carries one (one dict lookup when no record is live)."""
-        return OPS.get(func, OTHER) not in STARTS and not (self._table and self._carries(args, kwargs))
+        """Whether the mode may run ``func`` untouched: its kind cannot start a record (a
+        transpose or permutation that keeps dim 0 in place cannot) and none of its inputs carries
+        one (one dict lookup when no record is live)."""
+        if self._table and self._carries(args, kwargs):
+            return False
+        kind = OPS.get(func, OTHER)
+        if kind in (TRANSPOSE, PERMUTE):
+            return _keeps_dim0(kind, args)
+        return kind not in STARTS
 
     def watching(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], func: Any = None) -> bool:
         """Whether an op outside the vocabulary must meet the default rule (an input carries a

@@ -18,7 +18,7 @@ from probe.call import AttentionCall
 from probe.capture.records import Operand, Scores
 
 __all__ = ["MASK_BIAS", "MASK_FILL", "factor", "grad_map", "head_mix", "heads_of", "lift", "number", "permuted",
-           "prescale_factor", "repeat_kv", "rescaled", "reshaped", "scaled", "to_call"]
+           "prescale_factor", "repeat_kv", "rescaled", "reshaped", "scaled", "to_call", "unfold"]
 
 #: A fill value at or below this masks an entry (``exp`` of it underflows to 0 in float32).
 MASK_FILL = -1e4
@@ -96,8 +96,10 @@ def factor(x: Any, node: Scores) -> Optional[Any]:
     if x.numel() == 1:
         return x.detach().float().reshape(1)
     heads = node.q.shape[1]
-    shape = (1,) * (4 - x.dim()) + tuple(x.shape) if x.dim() <= 4 else ()
-    if node.ndim == 4 and len(shape) == 4 and shape[1] == heads and x.numel() == heads:
+    n = node.ndim
+    shape = (1,) * (n - x.dim()) + tuple(x.shape) if x.dim() <= n else ()
+    # one value per head: (..., H, 1, 1) against (B, H, L, S) scores, or (B, nW, H, L, S) windows
+    if n >= 4 and len(shape) == n and shape[-3] == heads and x.numel() == heads:
         return x.detach().float().reshape(heads)
     return None
 
@@ -117,10 +119,14 @@ def scaled(node: Scores, f: Any) -> Scores:
         biases = tuple((t, c * f, n) for t, c, n in node.biases)
         softcap = None if node.softcap is None else node.softcap * f
         return dataclasses.replace(node, scale=node.scale * f, biases=biases, softcap=softcap)
-    if node.biases or node.softcap is not None:
-        return dataclasses.replace(node, unknown="a tensor factor after a bias or soft cap")
+    if node.softcap is not None or (node.biases and node.ndim < 4):
+        return dataclasses.replace(node, unknown="a tensor factor after a soft cap, or after a bias on scores with "
+                                   "their heads folded into the batch")
+    # a per-head factor after a bias scales the bias per head: f_h · (σR + A) = (f_h σ)R + f_h A
+    per_head = f.reshape(-1, 1, 1)
+    biases = tuple((t * per_head.to(t.dtype) if isinstance(t, Tensor) else t, c, n) for t, c, n in node.biases)
     scale_t = f if node.scale_t is None else node.scale_t * f
-    return dataclasses.replace(node, scale_t=scale_t)
+    return dataclasses.replace(node, scale_t=scale_t, biases=biases)
 
 
 def reshaped(node: Scores, x: Tensor, out: Tensor) -> Optional[Scores]:
@@ -137,6 +143,8 @@ def reshaped(node: Scores, x: Tensor, out: Tensor) -> Optional[Scores]:
         return None
     if out.dim() == 3:  # (B, H, L, S) -> (B*H, L, S)
         return dataclasses.replace(node, ndim=3) if out.shape[0] == x.shape[0] * x.shape[1] else None
+    if node.merged is not None and len(node.merged) > 2:
+        return None  # head-major rows viewed as (H, B, L, S): not the record's (B, H) layout
     # (N, L, S) -> (B, H, L, S): learn the heads of a bmm layout
     b, h = out.shape[0], out.shape[1]
     if b * h != x.shape[0]:
@@ -148,14 +156,23 @@ def reshaped(node: Scores, x: Tensor, out: Tensor) -> Optional[Scores]:
     return dataclasses.replace(node, ndim=4)
 
 
-def heads_of(t: Tensor, merged: Optional[Tuple[int, int]]) -> Tensor:
+def unfold(t: Tensor, merged: Tuple[Any, ...]) -> Tensor:
+    """``(B, H', ...)`` from ``(B·H', ...)`` rows (``H'`` = the heads of ``t``: H, or fewer kv heads):
+    batch-major rows (``merged = (B, H)``), or head-major ones (``(B, H, "hb")``: row ``h·B + b``,
+    from ``(H, B, n, d)`` folded: ``q.permute(2, 0, 1, 3).reshape(-1, n, d)``)."""
+    if len(merged) > 2:
+        return t.reshape(-1, merged[0], *t.shape[1:]).transpose(0, 1)
+    return t.reshape(merged[0], -1, *t.shape[1:])
+
+
+def heads_of(t: Tensor, merged: Optional[Tuple[Any, ...]]) -> Tensor:
     """(B, H, n, d) from a 4-D tensor or a (B*H, n, d) one."""
     if t.dim() == 4:
         return t
     if t.dim() > 4:  # extra leading dims (windows, blocks): flattened into the batch
         return t.reshape(-1, *t.shape[-3:])
     if merged is not None and t.shape[0] == merged[0] * merged[1]:
-        return t.reshape(merged[0], merged[1], *t.shape[1:])
+        return unfold(t, merged)
     return t.unsqueeze(1)
 
 
@@ -169,7 +186,7 @@ def lift(t: Tensor, layout: int, node: Scores) -> Tensor:
     if layout == 4 or t.dim() < 3:
         return t
     if node.merged is not None and t.shape[0] == node.merged[0] * node.merged[1] and node.merged[1] > 1:
-        return t.reshape(node.merged[0], node.merged[1], *t.shape[1:])
+        return unfold(t, node.merged)
     return t.unsqueeze(-3)
 
 
@@ -231,10 +248,15 @@ def head_mix(root: Scores, m: Tensor) -> Optional[Scores]:
             if call.bias is not None:
                 bias = call.bias.expand(b, h, *call.bias.shape[-2:])
                 biases = ((torch.einsum("bhls,hg->bgls", bias, m.to(bias.dtype)), 1.0, 4),)
-    # grad_q / grad_k: those of the model's own q and k, per head before the mix (when the mix keeps H heads)
+    # grad_q / grad_k: those of the model's own q and k, per head before the mix (when the mix keeps H
+    # heads); under grouped kv heads each query head gets the gradient of the kv head it reads
     own = {n: (t, f) for n, t, f in root.grad_of}
     grad_of = tuple((n, *own.get(n, (t, None))) for n, t in (("q", root.q), ("k", root.k))
                     if t.shape[1] == m.shape[1] == h)
+    if m.shape[1] == h and root.k.shape[1] < h:
+        t, f = own.get("k", (root.k, None))
+        groups = h // root.k.shape[1]
+        grad_of += (("k", t, lambda g, f=f, n=groups: (g if f is None else f(g)).repeat_interleave(n, dim=1)),)
     return dataclasses.replace(root, q=q2, k=k2, biases=biases, grad_of=grad_of, merged=None, head_dim=d, mix=(root, m, len(biases)),
                                scale_from=(root.scale_from + "; " if root.scale_from else "") + "heads mixed before "
                                "the softmax")

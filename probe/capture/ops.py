@@ -107,7 +107,7 @@ _SPELLINGS: List[tuple] = [
      (torch.reshape, torch.flatten, torch.unflatten, torch.squeeze, torch.unsqueeze)),
     (TRANSPOSE, "transpose swapaxes swapdims mT t", (torch.transpose, torch.swapaxes, torch.swapdims, torch.t)),
     (PERMUTE, "permute movedim", (torch.permute, torch.movedim)),
-    (EXPAND, "expand expand_as", ()),
+    (EXPAND, "expand expand_as repeat repeat_interleave tile", (torch.repeat_interleave, torch.tile)),
     (INDEX, "__getitem__ select narrow unbind chunk split tensor_split",
      (torch.select, torch.narrow, torch.unbind, torch.chunk, torch.split, torch.tensor_split)),
     (JOIN, "", (torch.cat, torch.stack, torch.concat, torch.concatenate)),
@@ -145,7 +145,7 @@ def _build() -> Dict[Callable[..., Any], str]:
 OPS: Dict[Callable[..., Any], str] = _build()
 #: kinds whose rules may make a record from inputs that carry none (the tracer's cheap rejection:
 #: an op of another kind on unrecorded inputs runs untouched)
-STARTS: FrozenSet[str] = frozenset({PRODUCT, BADDBMM, EINSUM, MUL, DIV, VIEW, LINEAR_IN})
+STARTS: FrozenSet[str] = frozenset({PRODUCT, BADDBMM, EINSUM, MUL, DIV, VIEW, LINEAR_IN, TRANSPOSE, PERMUTE})
 #: kinds whose data is their first argument only (``t.type_as(other)``, ``t.view_as(other)``,
 #: ``F.linear(t, w)``): the tracer's rule is decided by its record alone
 FIRST: FrozenSet[str] = frozenset({CAST, DETACH, VIEW, TRANSPOSE, PERMUTE, EXPAND, INDEX, DROPOUT, TANH, SOFTMAX,

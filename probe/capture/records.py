@@ -52,11 +52,15 @@ class Operand:
         factor_t: the product of one-element tensor factors (kept on their device: no sync).
         how: the factors in words (``"multiplied by 0.125"``), for ``info["scale_from"]``.
         ops: the ops applied since the first factor (``("mul", "transpose", "mul_")``).
-        merged: ``(B, H)`` when dim -3 of ``t`` is ``B·H`` rows (heads folded into the batch).
+        merged: ``(B, H)`` when dim -3 of ``t`` is ``B·H`` rows (heads folded into the batch),
+            ``(B, H, "hb")`` when those rows are head-major (row ``h·B + b``).
         kv: the ``(B, Hk, n, d)`` tensor that ``t`` repeats per query group (``repeat_kv``), in
             ``t``'s own layout of the last two dims.
         opaque: why the factor can no longer be read (an op probe does not model touched ``t``
             after it): a product with it has an unknown scale.
+        batch_at: where the batch dim (dim 0 of the projection's output) is now, counted from the
+            end, when a permutation moved it (``q.permute(2, 0, 1, 3)``: ``-3``); a reshape that
+            folds heads into the batch tells head-major rows from batch-major ones by it.
     """
 
     base: Optional[Tensor] = None
@@ -64,9 +68,10 @@ class Operand:
     factor_t: Optional[Tensor] = None
     how: str = ""
     ops: Tuple[str, ...] = ()
-    merged: Optional[Tuple[int, int]] = None
+    merged: Optional[Tuple[Any, ...]] = None
     kv: Optional[Tensor] = None
     opaque: Optional[str] = None
+    batch_at: Optional[int] = None
 
     @property
     def scaled(self) -> bool:

@@ -90,6 +90,7 @@ def factor(tracer: Any, op: Op) -> None:
     merged = record.merged if record is not None else None
     how = f"{text}{word} {shown}" + (" in place" if in_place else "")
     tracer.set(op.out, Operand(base=base, factor=old * f, factor_t=f_t, how=how, merged=merged,
+                               batch_at=record.batch_at if record is not None else None,
                                ops=(record.ops if record is not None else ()) + (op.name,)))
 
 
@@ -175,7 +176,7 @@ def replay(tracer: Any, op: Op) -> None:
         for o, b in zip(outs, bases):
             if isinstance(b, Tensor) and tuple(b.shape) == tuple(o.shape):
                 tracer.set(o, dataclasses.replace(first, base=b, kv=None, merged=_merged(op, x, o, first),
-                                                  ops=first.ops + (op.name,)))
+                                                  batch_at=_batch_at(op, x, o, first), ops=first.ops + (op.name,)))
             else:
                 tracer.set(o, _opaque(first, f"`{op.name}` on q or k after its factor"))
         return
@@ -183,9 +184,58 @@ def replay(tracer: Any, op: Op) -> None:
     for o in op.outs:
         kv = first.kv if op.kind in (K.CAST, K.DETACH) else (
             first.kv.transpose(-1, -2) if first.kv is not None and _swaps_last_two(op, x) else None)
-        merged = _merged(op, x, o, first)
-        if kv is not None or merged is not None:
-            tracer.set(o, Operand(kv=kv, merged=merged))
+        merged, batch_at = _merged(op, x, o, first), _batch_at(op, x, o, first)
+        if kv is not None or merged is not None or batch_at is not None:
+            tracer.set(o, Operand(kv=kv, merged=merged, batch_at=batch_at))
+
+
+def _batch_at(op: Op, x: Any, out: Tensor, record: Optional[Operand]) -> Optional[int]:
+    """Where the batch dim is in ``out`` (from the end), when a permutation moved it."""
+    if not isinstance(x, Tensor):
+        return None
+    n = x.dim()
+    at = None if record is None else record.batch_at
+    if op.kind in (K.TRANSPOSE, K.PERMUTE):
+        perm = _permutation(op, n)
+        if perm is None:
+            return None
+        where = (at % n) if at is not None else 0
+        moved = perm.index(where) - n
+        return None if moved == -n and at is None else moved
+    if at is None or out.dim() < -at or x.dim() < -at:
+        return None
+    keeps = op.kind in (K.CAST, K.DETACH, K.NEG, K.INDEX, K.VIEW) and tuple(out.shape[at:]) == tuple(x.shape[at:])
+    return at if keeps else None
+
+
+def _permutation(op: Op, n: int) -> Optional[List[int]]:
+    if op.kind == K.TRANSPOSE:
+        if op.name == "mT":
+            dims = [n - 2, n - 1]
+        else:
+            dims = [d % n for d in op.args[1:3] if isinstance(d, int)] if op.name != "t" else [0, 1]
+        if len(dims) != 2:
+            return None
+        perm = list(range(n))
+        perm[dims[0]], perm[dims[1]] = perm[dims[1]], perm[dims[0]]
+        return perm
+    if op.name == "movedim":
+        return None
+    given = op.args[1:] if len(op.args) > 2 or not isinstance(op.args[1] if len(op.args) > 1 else None,
+                                                               (list, tuple)) else op.args[1]
+    given = list(op.kwargs.get("dims", given))
+    return [d % n for d in given] if len(given) == n and all(isinstance(d, int) for d in given) else None
+
+
+@rule((K.TRANSPOSE, K.PERMUTE), None)
+def batch_moved(tracer: Any, op: Op) -> None:
+    """A permutation that moves the batch dim (``q.permute(2, 0, 1, 3)``: heads first, folded
+    head-major next) is remembered (:attr:`Operand.batch_at`)."""
+    x = op.args[0] if op.args else None
+    if isinstance(op.out, Tensor) and isinstance(x, Tensor) and x.is_floating_point() and x.dim() >= 4:
+        at = _batch_at(op, x, op.out, None)
+        if at is not None:
+            tracer.set(op.out, Operand(batch_at=at))
 
 
 def _swaps_last_two(op: Op, x: Any) -> bool:
@@ -197,8 +247,23 @@ def _swaps_last_two(op: Op, x: Any) -> bool:
     return False
 
 
+def _folded(x: Any, out: Any, record: Optional[Operand] = None) -> Optional[tuple]:
+    """``(B, H)`` when ``out`` is ``x`` with its heads folded into the batch: ``(B, H, n, d) ->
+    (B·H, n, d)``, also with leading dims kept (``(3, B, H, n, d) -> (3, B·H, n, d)``);
+    ``(B, H, "hb")`` when the batch dim was moved second (``(H, B, n, d)``: head-major rows)."""
+    if isinstance(x, Tensor) and isinstance(out, Tensor) and x.dim() >= 4 and out.dim() == x.dim() - 1 \
+            and tuple(out.shape[-2:]) == tuple(x.shape[-2:]) and tuple(out.shape[:-3]) == tuple(x.shape[:-4]) \
+            and out.shape[-3] == x.shape[-4] * x.shape[-3] and x.shape[-3] > 1:
+        if record is not None and record.batch_at == -3:
+            return (x.shape[-3], x.shape[-4], "hb")
+        return (x.shape[-4], x.shape[-3])
+    return None
+
+
 def _merged(op: Op, x: Any, out: Tensor, record: Operand) -> Optional[tuple]:
-    """``(B, H)`` of ``out``'s dim -3 when it still holds the ``B·H`` rows of ``x``'s."""
+    """``(B, H)`` of ``out``'s dim -3 when it still holds the ``B·H`` rows of ``x``'s (or folds them now)."""
+    if op.kind == K.VIEW and _folded(x, out, record) is not None:
+        return _folded(x, out, record)
     if record.merged is None or not isinstance(x, Tensor) or out.dim() < 3 or x.dim() < 3:
         return None
     if op.kind in (K.CAST, K.DETACH, K.NEG) or (_swaps_last_two(op, x) and out.shape[-3] == x.shape[-3]):
@@ -219,10 +284,9 @@ def layout(tracer: Any, op: Op) -> None:
     if x.dim() == 5 and out.dim() == 4 and x.stride(2) == 0:
         tracer.set(out, repeat_kv(x, out))
         return
-    if x.dim() >= 4 and out.dim() == x.dim() - 1 and tuple(out.shape[-2:]) == tuple(x.shape[-2:]) \
-            and tuple(out.shape[:-3]) == tuple(x.shape[:-4]) and out.shape[-3] == x.shape[-4] * x.shape[-3] \
-            and x.shape[-3] > 1:
-        tracer.set(out, Operand(merged=(x.shape[-4], x.shape[-3])))
+    folded = _folded(x, out)
+    if folded is not None:
+        tracer.set(out, Operand(merged=folded))
 
 
 @rule(K.LINEAR_IN, None, Operand)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from probe.capture import ops as K
-from probe.capture.eager_scores import grad_map, head_mix, heads_of, number, permuted
+from probe.capture.eager_scores import grad_map, head_mix, heads_of, number, permuted, unfold
 from probe.capture.records import Derived, Moved, Operand, Probs, Scores
 from probe.capture.rules import Op, rule, unknown
 
@@ -76,17 +76,11 @@ def start(tracer: Any, op: Op, own_a: Any, own_b: Any, q_of: Map = _same, k_of: 
         q, k = q.reshape(-1, *q.shape[-3:]), k.reshape(-1, *k.shape[-3:])
     merged = None
     if q.dim() == 3:
-        merged = ra.merged if ra is not None else None
-        if merged is None and rb is not None:
-            merged = rb.merged
-        if merged is None:
-            heads = tracer.declared_heads(q.shape[0])
-            if heads is not None:
-                merged = (q.shape[0] // heads[0], heads[0])
-                heads_from = f"heads from the module's `{heads[1]}` = {heads[0]} ((B·H) rows taken batch-major)"
+        merged, heads_from = _heads(tracer, q, ra, rb)
         if merged is not None and q.shape[0] == merged[0] * merged[1] and k.shape[0] % merged[0] == 0:
-            q = q.reshape(merged[0], merged[1], *q.shape[1:])
-            k = k.reshape(merged[0], -1, *k.shape[1:])
+            q, k = unfold(q, merged), unfold(k, merged)
+            q_of = (lambda t, f=q_of, m=merged: unfold(f(t), m))
+            k_of = (lambda t, f=k_of, m=merged: unfold(f(t), m))
         else:
             merged, heads_from = None, None
             q, k = q.unsqueeze(1), k.unsqueeze(1)
@@ -101,11 +95,28 @@ def start(tracer: Any, op: Op, own_a: Any, own_b: Any, q_of: Map = _same, k_of: 
                   unattributed=opaque, operands=(ra, rb), heads_from=heads_from)
 
 
+def _heads(tracer: Any, q: Tensor, ra: Optional[Operand], rb: Optional[Operand]) -> Tuple[Optional[tuple],
+                                                                                          Optional[str]]:
+    """How the ``(N, L, d)`` rows of a product are ``(B, H)``: from the fold probe saw (batch-major
+    ``(B, H, n, d) -> (B·H, n, d)``, or head-major ``(H, B, n, d) -> (H·B, n, d)`` after a
+    permutation that moved the batch dim), else from the module's declared head count (rows taken
+    batch-major, said in ``heads_from``), else ``None``."""
+    merged = ra.merged if ra is not None and ra.merged is not None else (rb.merged if rb is not None else None)
+    if merged is not None:
+        return merged, None
+    declared = tracer.declared_heads(q.shape[0])
+    if declared is None:
+        return None, None
+    return (q.shape[0] // declared[0], declared[0]), (f"heads from the module's `{declared[1]}` = {declared[0]} "
+                                                      "((B·H) rows taken batch-major)")
+
+
 def _fire_pv(tracer: Any, probs: Probs, b: Tensor, out: Tensor, v_rec: Any) -> None:
     v = heads_of(b, probs.merged)
     if b.dim() == 4 and isinstance(v_rec, Operand) and v_rec.kv is not None:
         v = v_rec.kv  # the kv heads behind a repeat_kv copy
-    probs.fire(v, heads_of(out, probs.merged), grad_map(b, v))
+    pre = (lambda g, m=probs.merged: heads_of(g, m)) if b.dim() == 3 and probs.merged is not None else None
+    probs.fire(v, heads_of(out, probs.merged), grad_map(b, v, pre=pre))
 
 
 # -- matmul, @, bmm ------------------------------------------------------------------------------------
@@ -160,16 +171,27 @@ def _opaque(tracer: Any, op: Op) -> None:
 
 # -- einsum --------------------------------------------------------------------------------------------
 def einsum_pair(args: Tuple[Any, ...]) -> Optional[Tuple[Tuple[Any, Any], Tuple[str, str, str]]]:
-    """((x, y), (x letters, y letters, output letters)) of a two-operand einsum without ``...``."""
+    """((x, y), (x letters, y letters, output letters)) of a two-operand einsum; ``...`` is spelled
+    out in capital letters, right-aligned as einsum broadcasts it."""
     if not args or not isinstance(args[0], str):
         return None
     operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
     eq = args[0].replace(" ", "")
-    if len(operands) != 2 or "->" not in eq or "." in eq or eq.count(",") != 1:
+    if len(operands) != 2 or "->" not in eq or eq.count(",") != 1:
         return None
     ins, res = eq.split("->")
-    sx, sy = ins.split(",")
-    return (operands[0], operands[1]), (sx, sy, res)
+    specs = ins.split(",")
+    if "." in eq:
+        if not all(isinstance(t, Tensor) for t in operands) or any(sp.count("...") > 1 or sp.replace("...", "").count(".")
+                                                                   for sp in (*specs, res)):
+            return None
+        spans = [t.dim() - len(sp.replace("...", "")) if "..." in sp else 0 for sp, t in zip(specs, operands)]
+        if min(spans) < 0:
+            return None
+        letters = "ABCDEFGHIJKLMNOP"[:max(spans)]
+        specs = [sp.replace("...", letters[len(letters) - n:]) for sp, n in zip(specs, spans)]
+        res = res.replace("...", letters)
+    return (operands[0], operands[1]), (specs[0], specs[1], res)
 
 
 def qk_roles(sa: str, sb: str, res: str) -> Optional[Tuple[str, str]]:

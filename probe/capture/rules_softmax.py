@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
 from probe.capture import ops as K
-from probe.capture.eager_scores import rescaled, to_call
+from probe.capture.eager_scores import rescaled, to_call, unfold
 from probe.capture.mode import reserve_site
 from probe.capture.records import Exp, ExpSum, LogProbs, Moved, Probs, Scores, Shift
 from probe.capture.rules import Op, default, rule, unknown
@@ -77,6 +78,13 @@ def fire(tracer: Any, op: Op, node: Scores, x: Tensor, out: Any) -> None:
             op.emit(call, key)
         return
     call = dataclasses.replace(call, probs=out)  # its gradient is dP itself: exact under dropout too
+    if node.merged is not None and len(node.merged) > 2 and out.dim() == 3:
+        # head-major (H·B, L, S) rows: the record reads them as (B, H, L, S), its hook stays on the model's own P
+        m = node.merged
+        with torch.no_grad():
+            view = unfold(out.detach(), m).contiguous()
+        call = dataclasses.replace(call, probs=view, grad_of={**(call.grad_of or {}),
+                                                               "probs": (out, lambda g, m=m: unfold(g, m))})
     probs = Probs(call, node.merged, op.emit, key)
     tracer.wait_for_v(probs)
     tracer.set(out, probs)

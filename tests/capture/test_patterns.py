@@ -765,3 +765,74 @@ def test_an_opaque_operand_of_sdpa_has_an_unknown_scale() -> None:
         probs = ((q * S0).clamp(-3.0, 3.0) @ k.transpose(-1, -2)).softmax(-1)
         np.testing.assert_allclose(s.value(name, "entropy"), entropy_ref(probs), rtol=1e-5, atol=1e-6)
         assert any(name in w and "`actual` only" in w for w in warned), warned
+
+
+class HeadMajor(nn.Module):
+    """attention-is-all-you-need-pytorch's (older) layout: heads first, folded head-major into
+    the batch (row h·B + b), 3-D scores and masks repeated per head, heads unfolded after P·v."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_head = H
+        self.w_qs, self.w_ks, self.w_vs = (nn.Linear(H * D, H * D) for _ in range(3))
+
+    def forward(self, x: Tensor, pad: Tensor) -> Tensor:
+        b, n, _ = x.shape
+        q, k, v = (w(x).view(b, n, H, D) for w in (self.w_qs, self.w_ks, self.w_vs))
+        q, k, v = (t.permute(2, 0, 1, 3).contiguous().view(-1, n, D) for t in (q, k, v))  # (H·B, n, d)
+        mask = pad[:, None, :].expand(b, n, n).repeat(H, 1, 1)  # head-major too
+        attn = torch.bmm(q, k.transpose(1, 2)) / D ** 0.5
+        attn = attn.masked_fill(mask, float("-inf"))
+        attn = attn.softmax(-1)
+        self.probs = attn.view(H, b, n, n).transpose(0, 1)
+        self.raw = (q.view(H, b, n, D).transpose(0, 1).detach().double(),
+                    k.view(H, b, n, D).transpose(0, 1).detach().double())
+        out = torch.bmm(attn, v).view(H, b, n, D).permute(1, 2, 0, 3).reshape(b, n, H * D)
+        return out
+
+
+def test_heads_folded_head_major_are_recovered() -> None:
+    torch.manual_seed(0)
+    model = HeadMajor()
+    x, pad = torch.randn(B, L, H * D), torch.zeros(B, L, dtype=torch.bool)
+    pad[1, -1] = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.watch(model) as p:
+            model(x, pad).sum().backward()
+    assert not [str(w.message) for w in caught if "probe" in str(w.message)]
+    s = p.summary()
+    assert s.info("root")["heads"] == H and s.info("root")["scale"] == pytest.approx(S0)
+    valid = (~pad)[:, None, None, :].expand(B, H, L, L)
+    np.testing.assert_allclose(s.value("root", "entropy"), entropy_ref(model.probs, valid), rtol=1e-5, atol=1e-6)
+    q, k = model.raw
+    np.testing.assert_allclose(s.value("root", "logit_var", "unscaled"), _pooled_var(q @ k.transpose(-1, -2), valid),
+                               rtol=1e-4)
+    for g in ("grad_logits", "grad_q", "grad_k", "grad_v"):
+        assert g in s.metrics("root")
+
+
+def core_ellipsis_einsum(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    p = keep(m, (torch.einsum("...id,...jd->...ij", q * S0, k)).softmax(-1))
+    return torch.einsum("...ij,...jd->...id", p, v)
+
+
+def core_per_head_after_bias(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    gain = torch.tensor([0.5, 2.0]).view(1, H, 1, 1)
+    bias = torch.linspace(-1.0, 1.0, L * L).view(L, L)
+    m.raw = (q.detach().double() * gain.double() ** 0.5, k.detach().double() * gain.double() ** 0.5)
+    return keep(m, ((q @ k.transpose(-1, -2) * S0 + bias) * gain).softmax(-1)) @ v
+
+
+def test_einsum_with_an_ellipsis() -> None:
+    net, s, warned = run(core_ellipsis_einsum)
+    check(net, s, S0)
+    assert not warned, warned
+
+
+def test_a_per_head_factor_after_a_bias_scales_the_bias() -> None:
+    net, s, warned = run(core_per_head_after_bias, grads=False)
+    assert not warned, warned
+    for name, block in zip(s.sites, net.blocks):
+        assert s.info(name)["scale"] == pytest.approx([S0 * 0.5, S0 * 2.0])
+        np.testing.assert_allclose(s.value(name, "entropy"), entropy_ref(block.probs), rtol=1e-5, atol=1e-6)
