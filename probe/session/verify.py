@@ -11,8 +11,9 @@ record with the model's own result on a few query rows (:mod:`probe.stats.verify
   (``AttentionCall.rerun``).
 
 When: the first call of every site (:data:`CHECK_ROWS` rows, then the verdict is read at once),
-then every :data:`CHECK_EVERY`-th call of the site (:data:`LATER_ROWS` rows; on a GPU its verdict
-is copied to the host without waiting and read at a later call). A site whose check fails is
+then every :data:`CHECK_EVERY`-th call of the site (:data:`LATER_ROWS` rows; on a CUDA GPU its
+verdict is copied to the host without waiting and read at a later call or summary; this path is
+not exercised by the CPU test suite). A site whose check fails is
 *unverified* from then on, with one warning naming it and the size of the mismatch: its
 ``entropy``, ``max_prob`` and ``saturation`` at ``actual`` come from the model's own
 probabilities where it has them (eager attention), and every logit-based value, every
@@ -134,14 +135,13 @@ class Verifier:
                                                        checks=(verdict.checks if verdict else 0))
             return verdict
         distance, tolerance, against, rows = result
-        if first or distance.device.type == "cpu":
+        if first or distance.device.type != "cuda":
             self._decide(key, call.site, step, float(distance), float(tolerance), against, rows)
-        else:  # a later check on an accelerator: read at a later call, never waiting here
-            host = torch.empty(2, dtype=torch.float64, pin_memory=distance.device.type == "cuda")
+        else:  # a later check on a GPU: copied without waiting, read at a later call
+            host = torch.empty(2, dtype=torch.float64, pin_memory=True)
             host.copy_(torch.stack([distance, tolerance]).to(torch.float64), non_blocking=True)
-            event = torch.cuda.Event() if distance.device.type == "cuda" else None
-            if event is not None:
-                event.record()
+            event = torch.cuda.Event()
+            event.record()
             self._pending.append((key, call.site, step, host, event, against, rows))
         return self.verdicts[key]
 
@@ -193,11 +193,10 @@ class Verifier:
         """Read the verdicts of later checks whose copies have arrived (all of them with ``wait``)."""
         still = []
         for key, site, step, host, event, against, rows in self._pending:
-            if event is not None and not wait and not event.query():
+            if not wait and not event.query():
                 still.append((key, site, step, host, event, against, rows))
                 continue
-            if event is not None:
-                event.synchronize()
+            event.synchronize()
             self._decide(key, site, step, float(host[0]), float(host[1]), against, rows)
         self._pending = still
 
