@@ -1,26 +1,32 @@
-"""Survey: does probe find, name, scale and measure the gradients of every attention in real
-third-party code? (issue 17; kept apart from README's test command.)
+"""Survey: does probe find, name, scale, measure exactly and measure the gradients of every
+attention in real third-party code? (issues 17 and 25; kept apart from README's test command.)
 
-    PYTHONPATH=. python benchmarks/coverage_survey.py [--only hf,thirdparty,timm] [--quiet]
+    PYTHONPATH=. python benchmarks/coverage_survey.py [--only hf,thirdparty,more,timm] [--quiet]
     /work/timm-venv/bin/python benchmarks/coverage_survey.py --only timm     # real timm
 
 docs/models.md's support table is written from the JSON results of both environments:
 
-    PYTHONPATH=. python benchmarks/coverage_survey.py --only hf,thirdparty --json /tmp/sys.json
+    PYTHONPATH=. python benchmarks/coverage_survey.py --only hf,thirdparty,more --json /tmp/sys.json
     PYTHONPATH=. /work/timm-venv/bin/python benchmarks/coverage_survey.py --only thirdparty,timm --json /tmp/timm.json
     python benchmarks/coverage_survey.py --docs docs/models.md /tmp/sys.json /tmp/timm.json
 
 Models: Hugging Face architectures from tiny random configs (eager and sdpa), third-party
 configurations (x-transformers, rotary-embedding-torch, nanoGPT / minGPT written from their
-published code, vit-pytorch when importable) and real timm models (fused and eager paths). A
-library that is not installed is skipped, and said so.
+published code, vit-pytorch when importable), more libraries (benchmarks/survey_more.py:
+diffusers, peft, fair-esm, perceiver-pytorch, flamingo-pytorch, reformer-pytorch) and real timm
+models (fused and eager paths). A library that is not installed is skipped, and said so.
 
 Oracle per attention site: found and named = :func:`probe.coverage`'s independent audit (every
 softmax over scores derived from a product of two activations, and every SDPA / MHA call, at the
 module that ran it); scale = the value the model's own code uses (its config: ``head_dim ** -0.5``
-unless listed below), and for Hugging Face the eager and sdpa runs must agree; gradients =
-``grad_q``, ``grad_k``, ``grad_v`` (and ``grad_logits``) present after one backward. A run is
-*silently wrong* when a site fails a check and probe gave no warning about it.
+unless listed below), and for Hugging Face the eager and sdpa runs must agree; values = a second,
+independent forward under a mode that records what the model computed (its own softmax outputs;
+for SDPA its own arguments, at ``actual`` and, with the config's scale, at ``unscaled`` and
+``standard``, in float64): probe's entropy, max_prob and saturation within 1e-4 relative
+(:func:`survey_more.values`), and probe's own check of each record against the model
+(``verified``); gradients = ``grad_q``, ``grad_k``, ``grad_v`` (and ``grad_logits``) present after
+one backward. A run is *silently wrong* when a site fails a check and none of ``probe.watch``'s
+warnings on one forward and backward names it.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from probe.session.coverage import coverage  # noqa: E402
+from benchmarks.survey_more import compare, more_cases, values  # noqa: E402
 
 B, L, VOCAB = 2, 8, 64
 Case = Tuple[str, Callable[[], Tuple[nn.Module, tuple, dict]], Optional[Callable[[str, int], float]]]
@@ -376,10 +383,23 @@ def check(name: str, build: Callable[[], Tuple[nn.Module, tuple, dict]], expecte
         except Exception as err:  # noqa: BLE001
             print(f"{name}: FAILED ({type(err).__name__}: {str(err)[:200]})")
             return {"name": name, "sites": 0, "bad": 1, "silent": 1, "problems": ["coverage failed"], "scales": {}}
-    warned = _watch_warnings(model, args, kwargs)
+    warned, summary = _watch_warnings(model, args, kwargs)
+    try:
+        oracle = values(model, args, kwargs, expected)
+    except Exception as err:  # noqa: BLE001 - the value check never hides the rest of the survey
+        print(f"{name}: value check failed ({type(err).__name__}: {str(err)[:100]})")
+        oracle = {}
+    differs = compare(summary, oracle) if summary is not None else {}
     problems, silent, scales = [], 0, {}
+    checked = 0
     for row in report.rows:
         issue = []
+        if row.captured and row.site in oracle and summary is not None and row.site in summary.sites:
+            checked += 1
+        if row.captured and getattr(row, "verified", None) is False:
+            issue.append("unverified (" + getattr(row, "verification", "") + ")")
+        if row.site in differs:
+            issue.append("values: " + "; ".join(differs[row.site][:3]))
         if not row.captured:
             issue.append(("missed" if "reported under" not in row.why else "misnamed")
                          + (f" ({row.why.split(' (')[0]})" if row.why else ""))
@@ -397,13 +417,15 @@ def check(name: str, build: Callable[[], Tuple[nn.Module, tuple, dict]], expecte
             if missing and report.backward:
                 issue.append("no " + "/".join(missing))
         if issue:
-            loud = row.site in warned
+            loud = f"'{row.site}'" in warned
             silent += not loud
             problems.append(f"{row.site}: {', '.join(issue)}{'' if loud else ' (silent)'}")
     result = {"name": name, "sites": len(report.rows), "bad": len(problems), "silent": silent, "problems": problems,
               "scales": scales, "captured": sum(r.captured for r in report.rows),
               "front_ends": sorted({r.front_end for r in report.rows if r.front_end}),
-              "grads": sorted({g[5:] for r in report.rows for g in r.grads}, key=("logits", "q", "k", "v").index)}
+              "grads": sorted({g[5:] for r in report.rows for g in r.grads}, key=("logits", "q", "k", "v").index),
+              "verified": sum(r.captured and getattr(r, "verified", None) is True for r in report.rows),
+              "values_checked": checked}
     status = "ok" if not problems else f"{len(problems)} problem(s), {silent} silent"
     print(f"{name}: {len(report.rows)} sites, {status}")
     if not quiet:
@@ -412,24 +434,29 @@ def check(name: str, build: Callable[[], Tuple[nn.Module, tuple, dict]], expecte
     return result
 
 
-def _watch_warnings(model: nn.Module, args: tuple, kwargs: dict) -> str:
-    """What ``probe.watch`` itself says on one forward (its first-forward audit warns about every
-    attention it misses or misnames): a problem a warning names is loud, any other is silent."""
+def _watch_warnings(model: nn.Module, args: tuple, kwargs: dict) -> Tuple[str, Any]:
+    """What ``probe.watch`` itself says on one forward and one backward (its first-forward audit
+    warns about every attention it misses or misnames, its check about every record that does
+    not match the model, its ledger about every gradient metric the backward did not give), and
+    its summary (``rows=None``: exact): a problem a warning names is loud, any other is silent."""
     import probe
+    from probe.session.coverage import _backward
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            with probe.watch(model):
-                model(*args, **kwargs)
+            with torch.enable_grad(), probe.watch(model, rows=None) as p:
+                out = model(*args, **kwargs)
+                _backward(out, model)
+            summary = p.summary()
         except Exception as err:  # noqa: BLE001
-            return f"watch failed: {type(err).__name__}: {err}"
-    return " ".join(str(w.message) for w in caught if "probe" in str(w.message))
+            return f"watch failed: {type(err).__name__}: {err}", None
+    return " ".join(str(w.message) for w in caught if "probe" in str(w.message)), summary
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="hf,thirdparty,timm")
+    parser.add_argument("--only", default="hf,thirdparty,more,timm")
     parser.add_argument("--match", default="", help="only cases whose name contains this")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--markdown", action="store_true", help="also print one table row per run")
@@ -442,7 +469,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     groups = args.only.split(",")
     sources: List[Tuple[str, Callable[[], Iterator[Case]]]] = [("hf", hf_cases), ("thirdparty", thirdparty_cases),
-                                                               ("timm", timm_cases)]
+                                                               ("more", more_cases), ("timm", timm_cases)]
     results: Dict[str, List[Dict[str, Any]]] = {}
     for group, cases in sources:
         if group not in groups:
@@ -486,7 +513,8 @@ def versions() -> Dict[str, str]:
     import platform
 
     out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "timm", "x_transformers", "vit_pytorch", "rotary_embedding_torch"):
+    for name in ("torch", "transformers", "timm", "x_transformers", "vit_pytorch", "rotary_embedding_torch", "diffusers",
+                 "peft", "esm", "perceiver_pytorch", "flamingo_pytorch", "reformer_pytorch"):
         try:
             mod = importlib.import_module(name)
         except Exception:  # noqa: BLE001 - not installed here
@@ -505,7 +533,10 @@ def versions() -> Dict[str, str]:
 
 _START, _END = "<!-- support table: start -->", "<!-- support table: end -->"
 _LIBRARY = {"hf": "Hugging Face transformers", "timm": "timm", "nanogpt": "nanoGPT / minGPT style (written here)",
-            "rotary": "rotary-embedding-torch", "x-transformers": "x-transformers", "vit-pytorch": "vit-pytorch"}
+            "rotary": "rotary-embedding-torch", "x-transformers": "x-transformers", "vit-pytorch": "vit-pytorch",
+            "diffusers": "diffusers", "peft": "peft (LoRA, base frozen)", "fair-esm": "fair-esm",
+            "perceiver-pytorch": "perceiver-pytorch", "flamingo-pytorch": "flamingo-pytorch",
+            "reformer-pytorch": "reformer-pytorch"}
 
 
 def write_docs(path: str, json_paths: List[str]) -> None:
@@ -527,22 +558,24 @@ def write_docs(path: str, json_paths: List[str]) -> None:
     models: Dict[str, List[Dict[str, Any]]] = {}
     for name, r in runs.items():
         parts = name.split("/")
-        key = "/".join(parts[:2]) if parts[0] in ("hf", "timm", "rotary", "nanogpt") else name
+        key = "/".join(parts[:2]) if parts[0] in ("hf", "timm", "rotary", "nanogpt", "diffusers", "peft",
+                                                  "reformer-pytorch") else name
         models.setdefault(key, []).append(r)
     lines = [_START, "",
-             "| library | model / configuration | variants | sites captured | front end | scale reported | "
-             "gradient metrics | not measured (each warned) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| library | model / configuration | variants | sites captured | verified, checked by values | front end | "
+             "scale reported | gradient metrics | not measured (each warned) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, rs in models.items():
         group, _, model = key.partition("/")
         variants = ", ".join(r["name"][len(key) + 1:] or "-" for r in rs) if any(
             r["name"] != key for r in rs) else "-"
         captured = ", ".join(f"{r.get('captured', 0)} of {r['sites']}" for r in rs)
+        checked = ", ".join(f"{r['verified']}, {r['values_checked']}" if "verified" in r else "(not run)" for r in rs)
         fronts = ", ".join(sorted({f for r in rs for f in r.get("front_ends", [])})) or "-"
         scales = sorted({_fmt(v) for r in rs for v in r.get("scales", {}).values()})
         grads = sorted({g for r in rs for g in r.get("grads", [])}, key=("logits", "q", "k", "v").index)
         problems = sorted({p.split(": ", 1)[1].replace(" (silent)", " (SILENT)") for r in rs for p in r["problems"]})
-        lines.append(f"| {_LIBRARY.get(group, group)} | {model or key} | {variants} | {captured} | {fronts} | "
+        lines.append(f"| {_LIBRARY.get(group, group)} | {model or key} | {variants} | {captured} | {checked} | {fronts} | "
                      f"{', '.join(scales) or '-'} | {', '.join(grads) or '-'} | {'; '.join(problems) or '-'} |")
     versions_text = "; ".join(", ".join(f"{k} {v}" for k, v in u.items()) for u in used)
     lines += ["", f"Generated by `benchmarks/coverage_survey.py --docs` from {len(runs)} runs "
