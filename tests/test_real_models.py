@@ -11,9 +11,12 @@ The cases are those of ``benchmarks/coverage_survey.py`` (Hugging Face architect
 configs, eager and sdpa; nanoGPT / minGPT style, x-transformers, rotary-embedding-torch,
 vit-pytorch; real timm models, fused and eager). Oracle per attention site: the independent
 audit of :func:`probe.coverage` (found and named), the scale the model's own code uses, the
-Hugging Face eager and sdpa runs agreeing, and grad_q / grad_k / grad_v after a backward. No run
-may *silently* miss a site, misname one, misreport a scale or lose a gradient metric: every
-problem must be named by ``probe.watch``'s own warning.
+Hugging Face eager and sdpa runs agreeing, the values (entropy, max_prob, saturation within 1e-4
+of what the model computed, in float64; probe's own check of each record), and grad_q / grad_k /
+grad_v after a backward. No run may *silently* miss a site, misname one, misreport a scale or a
+value or lose a gradient metric: every problem must be named by ``probe.watch``'s own warnings.
+The libraries of ``benchmarks/survey_more.py`` (diffusers, peft, fair-esm, perceiver-pytorch,
+flamingo-pytorch, reformer-pytorch) are the ``more`` cases.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def test_hugging_face_no_silent_problem(runs: Any) -> None:
     assert all(r["silent"] == 0 for r in results), [p for r in results for p in r["problems"]]
 
 
-@pytest.mark.parametrize("name,build,expected", _cases("thirdparty") + _cases("timm"))
+@pytest.mark.parametrize("name,build,expected", _cases("thirdparty") + _cases("more") + _cases("timm"))
 def test_third_party_and_timm_no_silent_problem(name: str, build: Any, expected: Any) -> None:
     result = _check(name, build, expected)
     assert result["silent"] == 0, result["problems"]
