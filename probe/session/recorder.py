@@ -31,6 +31,7 @@ from probe.state.accumulator import GRAD_STEPS, Accumulator, State
 from probe.state.writer import Window, to_host
 from probe.stats.functional import forward_stats, sample_rows
 from probe.stats.masks import simplify
+from probe.stats.max_logit import max_logit
 
 __all__ = ["GradHooks", "Recorder", "SiteInfo", "SiteKey", "grad_scales"]
 
@@ -55,6 +56,7 @@ class SiteInfo:
             or k before the product: see ``AttentionCall.scale_from``).
         scale_unknown: why the scale could not be attributed (``AttentionCall.scale_unknown``):
             the site is measured at ``actual`` only and ``scale`` is ``None``.
+        qk_clip: what QK-Clip scales at this site, or why it refuses it (``qk_clip=``).
     """
 
     kind: str
@@ -69,6 +71,7 @@ class SiteInfo:
     grad_kv_heads: Optional[int] = None
     scale_from: Optional[str] = None
     scale_unknown: Optional[str] = None
+    qk_clip: Optional[str] = None
     verified: Optional[bool] = None
     verification: Optional[str] = None
 
@@ -76,7 +79,7 @@ class SiteInfo:
         """The JSON form (optional fields only when set)."""
         out: Dict[str, Any] = {"kind": self.kind, "heads": self.heads, "kv_heads": self.kv_heads,
                                "d_k": self.d_k, "scale": self.scale, "calls": self.calls}
-        for name in ("softcap", "rows", "sampled", "grad_kv_heads", "scale_from", "scale_unknown"):
+        for name in ("softcap", "rows", "sampled", "grad_kv_heads", "scale_from", "scale_unknown", "qk_clip"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -133,6 +136,11 @@ class Recorder:
         #: may run on another thread (a dashboard) while training records, and backward hooks
         #: may run on autograd's device threads.
         self.lock = threading.RLock()
+        #: ``probe.watch(..., qk_clip=τ)`` (probe.session.clipping): receives ``(site key, call, max
+        #: logit per head)`` of every recorded call (``None``: not measured, scale unknown or unverified)
+        self.on_logit_max: Optional[Callable[[SiteKey, AttentionCall, Optional[Tensor]], None]] = None
+        #: measure the max logits only (QK-Clip on a step that is not sampled): one q·kᵀ per call
+        self.max_logit_only = False
         self.verifier = Verifier(memory_budget, warn_once_per_site())  # each site's record checked
 
     def scales_for(self, call: AttentionCall) -> Dict[str, Scale]:
@@ -164,10 +172,14 @@ class Recorder:
         self.emitted += 1
         name, index = self.stack.next_site() if key is None else key
         with self.lock:
-            self.open_step(self.step)
+            if not self.max_logit_only:
+                self.open_step(self.step)
             if index > 0:
                 self.multi.add(name)
         call = dataclasses.replace(call, site=self.site_name((name, index)))
+        if self.max_logit_only:
+            self._max_logit_only((name, index), call)
+            return
         if self.observer is not None:
             self.observer(call, call.site)  # the audit of the first sampled forward (probe.coverage)
         if self.site_ok is not None and not (self.site_ok(call.site) or self.site_ok(name)):
@@ -206,6 +218,9 @@ class Recorder:
         with self.lock:
             self.acc.add(key, fields)
             self._update_info(key, call)
+        if self.on_logit_max is not None:
+            top = fields.get("logit_max@actual") if call.scale is not None and scales else None
+            self.on_logit_max(key, call, None if self.verifier.unverified(key) else top)
         if self.grads and torch.is_grad_enabled():
             self.grad_hooks.register(call, key, self.step, scales, self.memory_budget, rows)
         elif self.grads and self.grad_hooks.root_grad:  # no_grad inside a training forward: reentrant checkpoint
@@ -214,6 +229,25 @@ class Recorder:
             scales_for = (lambda c: {}) if not scales else self.scales_for
             if module is not None:
                 self.grad_hooks.defer(module, key, self.step, scales_for, self.memory_budget, self.frontends)
+
+    def _max_logit_only(self, key: SiteKey, call: AttentionCall) -> None:
+        """A call of a forward measured for QK-Clip only: its max logit per head, nothing else
+        (the record still checked against the model's own result, as every recorded call)."""
+        if self.on_logit_max is None or (self.site_ok is not None and not (self.site_ok(call.site)
+                                                                           or self.site_ok(key[0]))):
+            return
+        try:
+            call.validate()
+        except ValueError:
+            return
+        top = None
+        if call.scale is not None and call.logits is None:
+            with torch.no_grad():
+                call = simplify(call, self.memory_budget)
+                self.verifier.verify(key, call, self.step)
+                if not self.verifier.unverified(key):
+                    top = max_logit(call, self.memory_budget)
+        self.on_logit_max(key, call, top)
 
     def forward_end(self, step: int, calls: int, auto: bool, output: Any, compiled: bool = False) -> None:
         """A captured root forward of ``step`` ended, having emitted ``calls`` attention calls
