@@ -31,9 +31,9 @@ __all__ = [
     "step_reduce",
 ]
 
-#: How a state field combines (across calls, steps and ranks): added, maximum, the pooled
-#: (count, mean, M2) moments of Chan's formula, or the later value.
-Reduction = Literal["sum", "max", "moments", "last"]
+#: How a state field combines (across calls, steps and ranks): added, maximum, minimum, the
+#: pooled (count, mean, M2) moments of Chan's formula, or the later value.
+Reduction = Literal["sum", "max", "min", "moments", "last"]
 #: How the reported value is made from the state: ``var`` = M2 / n of the moments (NaN when n
 #: is 0); ``max`` = the max (NaN when the moments' count is 0); ``per_row`` = sum / ``rows``
 #: (NaN when no row); ``root`` = sqrt of a sum of squares over the probed steps whose backward
@@ -42,9 +42,9 @@ Reduction = Literal["sum", "max", "moments", "last"]
 #: sqrt(summed variance estimates) / ``rows``, the standard error of a ``per_row`` mean
 #: estimated from sampled rows (``rows=``).
 Final = Literal["var", "max", "per_row", "root", "count", "se", "root_se"]
-#: How values fold: mean, max, sum, root of the sum of squares (a norm), or root mean square;
+#: How values fold: mean, max, min, sum, root of the sum of squares (a norm), or root mean square;
 #: NaN values ignored.
-Fold = Literal["mean", "max", "sum", "rss", "rms"]
+Fold = Literal["mean", "max", "min", "sum", "rss", "rms"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +89,7 @@ class MetricSpec:
 
 _UNIT = Colour(0.0, 1.0, "linear", (0.0, 0.25, 0.5, 0.75, 1.0))
 _GRAD = Colour(1e-8, 1e2, "log10", (1e-8, 1e-6, 1e-4, 1e-2, 1.0, 1e2))
+_LOGIT_MAX = Colour(-10.0, 1e3, "symlog", (-10.0, 0.0, 10.0, 100.0, 1e3))
 
 
 def _grad(name: str) -> MetricSpec:
@@ -102,8 +103,7 @@ METRICS: Tuple[MetricSpec, ...] = (
     MetricSpec("logit_var", False, "logit", "moments", "var", "mean", "mean", True,
                Colour(1e-2, 1e4, "log10", (1e-2, 1e-1, 1.0, 10.0, 1e2, 1e3, 1e4))),
     # 100 is the QK-Clip threshold of the default `logit_max < 100` check.
-    MetricSpec("logit_max", False, "logit_max", "max", "max", "max", "max", True,
-               Colour(-10.0, 1e3, "symlog", (-10.0, 0.0, 10.0, 100.0, 1e3))),
+    MetricSpec("logit_max", False, "logit_max", "max", "max", "max", "max", True, _LOGIT_MAX),
     MetricSpec("entropy", False, "entropy", "sum", "per_row", "mean", "mean", True, _UNIT),
     MetricSpec("max_prob", False, "max_prob", "sum", "per_row", "mean", "mean", True, _UNIT),
     MetricSpec("saturation", False, "saturated", "sum", "per_row", "mean", "mean", True, _UNIT),
@@ -120,6 +120,13 @@ METRICS: Tuple[MetricSpec, ...] = (
     MetricSpec("saturation_se", False, "saturated_var", "sum", "se", "mean", "mean", True, _UNIT),
     # of the sampled grad_logits (probe.stats.grads.grad_logits_stats), to first order
     MetricSpec("grad_logits_se", True, "grad_logits_var", "sum", "root_se", "mean", "rms", False, _GRAD, "rss"),
+    # QK-Clip (qk_clip=, probe.session.clipping), per optimizer step and head: the max logit S it
+    # measured (every training step, not only sampled ones), the factor γ = min(1, τ/S) it applied
+    # to the head's logits, and whether it clipped (summed: the number of steps clipped)
+    MetricSpec("qk_clip_logit", False, "qk_clip_logit", "max", "count", "max", "max", True, _LOGIT_MAX, "max"),
+    MetricSpec("qk_clip_factor", False, "qk_clip_factor", "min", "count", "min", "min", False, _UNIT, "min"),
+    MetricSpec("qk_clip_steps", False, "qk_clip_steps", "sum", "count", "sum", "sum", False,
+               Colour(0.0, 1e4, "log1p", (0.0, 10.0, 100.0, 1e3, 1e4)), "sum"),
 )
 
 METRIC_ORDER: Tuple[str, ...] = tuple(m.name for m in METRICS)
@@ -156,6 +163,8 @@ def fold(kind: Fold, values: np.ndarray) -> float:
         return math.nan
     if kind == "max":
         return float(finite.max())
+    if kind == "min":
+        return float(finite.min())
     if kind == "sum":
         return float(finite.sum())
     if kind == "rss":

@@ -9,6 +9,7 @@ kind        two parts (earlier ``a``, later ``b``)  k parts (ranks)             
 ==========  ====================================  ============================  ==========
 ``sum``     ``a + b``                              ``Σ``                         0
 ``max``     ``maximum(a, b)`` (NaN wins)           ``max``                       −inf
+``min``     ``minimum(a, b)`` (NaN wins)           ``min``                       +inf
 ``moments`` Chan's pair (:func:`chan_pair`)        Chan's k-way (:func:`chan_pool`)  n = 0
 ``last``    ``b``                                  the highest rank present      (absent)
 ==========  ====================================  ============================  ==========
@@ -50,7 +51,7 @@ Across = Literal["steps", "ranks"]
 
 
 def kind(field: str, across: Across = "steps") -> str:
-    """How ``field`` combines: ``sum``, ``max``, ``moments`` or ``last``, over calls and steps
+    """How ``field`` combines: ``sum``, ``max``, ``min``, ``moments`` or ``last``, over calls and steps
     (``across="steps"``) or over ranks (``"ranks"``: :data:`GRAD_STEPS` takes the max)."""
     if across == "ranks" and field == GRAD_STEPS:
         return "max"
@@ -61,6 +62,10 @@ def _maximum(a: Any, b: Any) -> Any:
     return np.maximum(a, b) if isinstance(a, np.ndarray) else torch.maximum(a, b)
 
 
+def _minimum(a: Any, b: Any) -> Any:
+    return np.minimum(a, b) if isinstance(a, np.ndarray) else torch.minimum(a, b)
+
+
 def combine(field: str, a: Tensor, b: Tensor) -> Tensor:
     """Combine two values of ``field`` (``a`` earlier, ``b`` later); moments are ``(3, ...)``
     stacks of (count, mean, M2)."""
@@ -69,6 +74,8 @@ def combine(field: str, a: Tensor, b: Tensor) -> Tensor:
         return torch.stack(chan_pair(a[0], a[1], a[2], b[0], b[1], b[2]))
     if k == "max":
         return torch.maximum(a, b)
+    if k == "min":
+        return torch.minimum(a, b)
     if k == "last":
         return b
     return a + b
@@ -96,7 +103,7 @@ class Layout:
 
     def __init__(self, entries: Sequence[Entry], across: Across = "steps") -> None:
         self.entries: List[Entry] = list(entries)
-        positions: Dict[str, List[int]] = {"sum": [], "max": [], "last": []}
+        positions: Dict[str, List[int]] = {"sum": [], "max": [], "min": [], "last": []}
         moments: List[List[int]] = [[], [], []]
         owner: List[int] = []
         offset = 0
@@ -113,7 +120,7 @@ class Layout:
             offset += size
         self.size = offset
         as_index = lambda rows: np.asarray(rows, dtype=np.intp)  # noqa: E731
-        self.sum, self.max, self.last = (as_index(positions[k]) for k in ("sum", "max", "last"))
+        self.sum, self.max, self.min, self.last = (as_index(positions[k]) for k in ("sum", "max", "min", "last"))
         self.moments = tuple(as_index(rows) for rows in moments)
         self.owner = as_index(owner)  # the entry of each position
         self._torch: Dict[Any, Any] = {}
@@ -132,10 +139,11 @@ class Layout:
         return self._torch[key]
 
     def identity(self) -> np.ndarray:
-        """The packed identity (float64): 0 for sums and moments, −inf for maxima; ``last``
-        entries are 0 and must be marked absent."""
+        """The packed identity (float64): 0 for sums and moments, −inf for maxima, +inf for minima;
+        ``last`` entries are 0 and must be marked absent."""
         out = np.zeros(self.size)
         out[self.max] = -math.inf
+        out[self.min] = math.inf
         return out
 
     def fold(self, totals: Any, window: Any, into: Any = None) -> None:
@@ -150,7 +158,7 @@ class Layout:
         else:
             if self._into is not into:  # compose once: window position -> totals position
                 self._into = into
-                self._into_index = {k: into[getattr(self, k)] for k in ("sum", "max", "last")}
+                self._into_index = {k: into[getattr(self, k)] for k in ("sum", "max", "min", "last")}
                 self._into_index["moments"] = tuple(into[a] for a in self.moments)
             dst = self._into_index.__getitem__
         with np.errstate(all="ignore"):  # inf - inf, 0 * inf: NaN, as torch gives silently
@@ -158,6 +166,8 @@ class Layout:
             totals[to] = totals[to] + window[at]
             to, at = dst("max"), src("max")
             totals[to] = _maximum(totals[to], window[at])
+            to, at = dst("min"), src("min")
+            totals[to] = _minimum(totals[to], window[at])
             totals[dst("last")] = window[src("last")]
             (n, mean, m2), (wn, wmean, wm2) = dst("moments"), src("moments")
             totals[n], totals[mean], totals[m2] = chan_pair(
@@ -165,7 +175,7 @@ class Layout:
 
     def reduce(self, parts: Tensor, present: Tensor) -> Tensor:
         """Combine ``k`` parts of this layout (``(k, size)``, one per rank) into one ``(size,)``:
-        sums add, maxima take the max, moments pool by Chan's k-way form, ``last`` takes the
+        sums add, maxima take the max, minima the min, moments pool by Chan's k-way form, ``last`` takes the
         highest part where its entry is ``present`` (``(k, entries)`` booleans). Absent parts
         must hold the :meth:`identity`."""
         idx = lambda name: self._index(name, parts)  # noqa: E731
@@ -174,6 +184,8 @@ class Layout:
         out[at] = parts[:, at].sum(0)
         at = idx("max")
         out[at] = parts[:, at].amax(0)
+        at = idx("min")
+        out[at] = parts[:, at].amin(0)
         at = idx("last")
         if at.numel():
             here = present[:, idx("owner")[at]]
