@@ -60,8 +60,21 @@ def max_logit(call: AttentionCall, budget_bytes: int = 64 * 2**20, scale: Option
     bottom = torch.full((heads,), float("inf"), device=device) if need_min else None
     # one float32 buffer per chunk (no other live buffer), kept near the cache size
     step = min(chunk_rows(batch, heads, keys, budget_bytes * 6), cache_chunk_rows(batch, heads, keys), length)
-    last = [min(length, r0 + step) - 1 for r0 in range(0, length, step)] if call.causal and device.type != "meta" else None
-    for R, valid, _ in _iter(call, step, reuse=True, last=last):
+    trim = call.causal and device.type != "meta"
+    last = [min(length, r0 + step) - 1 for r0 in range(0, length, step)] if trim else None
+    # causal and nothing else: keys before a chunk's first row are valid for all its rows, so
+    # only the chunk's diagonal block is masked (not a pass over the whole chunk)
+    block = call.causal and call.mask is None and bottom is None and last is not None
+    for index, (R, valid, _) in enumerate(_iter(call, step, reuse=True, last=last, causal_mask=not block)):
+        if block:
+            r0 = index * step
+            diagonal = R[..., r0:]
+            rows = torch.arange(r0, r0 + R.shape[2], device=device).unsqueeze(-1)
+            diagonal.masked_fill_(rows < torch.arange(r0, R.shape[3], device=device), float("-inf"))
+            top = torch.maximum(top, diagonal.amax(dim=(0, 2, 3)))
+            if r0 > 0:
+                top = torch.maximum(top, R[..., :r0].amax(dim=(0, 2, 3)))
+            continue
         if bottom is not None:
             low = R if valid is None else torch.where(valid, R, float("inf"))
             bottom = torch.minimum(bottom, low.amin(dim=(0, 2, 3)))
