@@ -23,6 +23,7 @@ __all__ = [
     "check",
     "compare",
     "coverage",
+    "qk_clip",
     "scaling",
     "variants",
     "watch",
@@ -40,6 +41,7 @@ _WHERE = {
     "check": "probe.ci.thresholds",
     "compare": "probe.experiment.compare",
     "coverage": "probe.session.coverage",  # the function (README, docs/models.md and probe's warnings name it)
+    "qk_clip": "probe.experiment.qk_clip",
     "scaling": "probe.experiment.scaling",
     "variants": "probe.experiment.variants",
     "watch": "probe.session.profiler",
@@ -76,6 +78,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from probe.experiment.compare import compare
     from probe.errors import ProbeError
     from probe.errors import StabilityError
+    from probe.experiment.qk_clip import qk_clip
     from probe.experiment.scaling import scaling
     from probe.session.profiler import Probe
     from probe.session.profiler import watch

@@ -34,6 +34,10 @@ FORBIDDEN: List[Tuple[str, Tuple[str, ...]]] = [
     ("probe.session", ("probe.cli", "probe.integrations", "probe.experiment.scaling", "probe.experiment.variants",
                        "probe.experiment.compare")),
     ("probe.experiment", ("probe.cli", "probe.integrations")),
+    # QK-Clip's rule sits below session (probe.watch(qk_clip=τ) applies it): it may not reach back up
+    ("probe.experiment.clip_rule", ("probe.session", "probe.state", "probe.sinks", "probe.ci", "probe.cli",
+                                    "probe.integrations", "probe.experiment.scaling", "probe.experiment.variants",
+                                    "probe.experiment.compare")),
     ("probe.integrations", ("probe.cli", "probe.capture", "probe.stats", "probe.state", "probe.experiment")),
 ]
 

@@ -1,0 +1,302 @@
+"""``probe.watch(model, qk_clip=τ)``: QK-Clip driven by the measured max logits, every optimizer step.
+
+What :class:`Clipping` does for a :class:`~probe.session.profiler.Probe`:
+
+* **Measures every training forward.** Each root forward run with autograd enabled (a training
+  step; evaluation under ``torch.no_grad`` is not counted) is captured, sampled or not: on steps
+  that are not sampled the recorder computes the max logits only (:mod:`probe.stats.max_logit`:
+  one ``q·kᵀ`` per call, no exponential); on sampled steps it takes ``logit_max@actual`` from the
+  full statistics. Per site, the max over the forwards since the last clip (micro-batches of
+  gradient accumulation) is kept on the device.
+* **Knows what to scale.** The first measured forward (and any forward after the model's
+  parameters or sites changed) is followed by :class:`probe.capture.provenance.Trace`; each site
+  is resolved into the entries its q and k heads scale with, or refused with its reason (warned
+  once, and in ``summary.info(site)["qk_clip"]``).
+* **Clips after each optimizer step.** A global optimizer step post-hook runs after the step of
+  any optimizer holding a clipped weight (or, when no site can be clipped, any of the model's
+  parameters): the per-head maxima are reduced over the ranks (``MAX``, so that every replica
+  applies the same factors), turned into factors (:mod:`probe.experiment.clip_rule`), applied in
+  place, and recorded as ``qk_clip_logit`` (S), ``qk_clip_factor`` (γ, 1 when not clipped) and
+  ``qk_clip_steps`` (steps clipped) for the sinks and the summary.
+
+Pitfall: the rule uses the max logit of the forward *before* the update, as published; the next
+forward's max logit may exceed τ by what one optimizer step adds (docs/qk_clip.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from probe.call import AttentionCall
+from probe.capture.provenance import Refusal, SiteProvenance, Trace
+from probe.capture.sites import site_names
+from probe.experiment.clip_rule import factors, scale_site
+from probe.once import WarnOnce
+from probe.errors import ProbeError
+from probe.session.compiled import is_compiled
+from probe.session.options import check_tau
+from probe.session.recorder import Recorder, SiteInfo, SiteKey
+
+__all__ = ["Clipping", "Riders", "clipping"]
+
+
+def _world() -> Optional[Any]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
+def clipping(model: nn.Module, tau: Any, recorder: Recorder, warn: Callable[[str], None], records: bool,
+             every: Optional[int]) -> Optional["Clipping"]:
+    """The :class:`Clipping` of ``Probe(model, qk_clip=tau)``, its argument checked (``None``: no clip)."""
+    if tau is None:
+        return None
+    tau = check_tau("qk_clip", tau)
+    if is_compiled(model):
+        raise ProbeError("qk_clip measures every training forward in eager mode; a compiled model would run "
+                         "eagerly at every step: watch the model before torch.compile, and compile its blocks")
+    return Clipping(model, tau, recorder, warn, records, opens_steps=every is None)
+
+
+class Clipping:
+    """QK-Clip for one probe (see the module docstring).
+
+    Args:
+        model: the watched root module.
+        tau: the threshold τ on each head's max logit.
+        recorder: the probe's recorder (it reports each call's max logits to :meth:`on_call`).
+        warn: the probe's warning channel.
+        records: whether this process adds the clip's records to the accumulator (under a
+            cross-rank reducer, rank 0 only: the clip's values are global already).
+    """
+
+    def __init__(self, model: nn.Module, tau: float, recorder: Recorder, warn: Callable[[str], None],
+                 records: bool = True, opens_steps: bool = True) -> None:
+        self.model = model
+        self.tau = float(tau)
+        self.rec = recorder
+        self._warn = warn
+        self._warn_once = WarnOnce()
+        self.records = records
+        self.opens_steps = opens_steps
+        self.sites: Dict[SiteKey, Any] = {}  # SiteProvenance or Refusal
+        self._heads: Dict[SiteKey, Tuple[int, int]] = {}  # (heads, kv heads)
+        self._top: Dict[SiteKey, Tensor] = {}  # max logit per head since the last clip
+        self._trace: Optional[Trace] = None
+        self._pending: Dict[SiteKey, Any] = {}
+        self._signature: Optional[Tuple[int, ...]] = None
+        self._retrace = True
+        self._layout: Optional[List[Tuple[SiteKey, int]]] = None  # the cross-rank packing order
+        self._handle = register_optimizer_step_post_hook(self._on_optimizer_step)
+        recorder.on_logit_max = self.on_call
+
+    # -- forwards --------------------------------------------------------------------------------
+    @staticmethod
+    def measures() -> bool:
+        """Whether the forward starting now counts for the clip (autograd on: a training forward)."""
+        return torch.is_grad_enabled()
+
+    def start(self) -> None:
+        """A measured forward begins (the capture mode is entered): follow it if provenance is due."""
+        signature = tuple(id(p) for p in self.model.parameters())
+        if signature != self._signature:
+            self._signature, self._retrace = signature, True
+        if self._retrace and self._trace is None:
+            self._retrace = False
+            self._pending = {}
+            self._trace = Trace(self.model, site_names(self.model))
+            self._trace.__enter__()
+
+    def stop_mode(self) -> None:
+        """Leave the trace's mode (above the capture mode: popped first)."""
+        if self._trace is not None and self._trace in torch.overrides._get_current_function_mode_stack():
+            self._trace.__exit__(None, None, None)
+
+    def end(self) -> None:
+        """The capture ended (its mode emitted everything): settle provenance, forget the trace."""
+        self.settle()
+        self._trace = None
+
+    def settle(self) -> None:
+        """Resolve the traced sites (the forward is over: an optimizer step, or the capture's end);
+        the trace then passes every op through (a trainer's recording window may go on through the
+        backward and the optimizer step)."""
+        trace = self._trace
+        if trace is None or trace.passive:
+            return
+        trace.passive = True
+        self.sites = {key: trace.finish(found) for key, found in self._pending.items()}
+        self._pending = {}
+        self._layout = None
+        for key, found in self.sites.items():
+            with self.rec.lock:
+                info = self.rec.infos.get(key)
+                if info is not None:
+                    info.qk_clip = found.describe()
+            if isinstance(found, Refusal):
+                site = self.rec.site_name(key)
+                self._warn_once(site, f"probe: qk_clip does not clip site {site!r}: {found.reason}")
+
+    def on_call(self, key: SiteKey, call: AttentionCall, top: Optional[Tensor]) -> None:
+        """One recorded call of a measured forward (from the recorder)."""
+        if self._trace is not None and not self._trace.passive:
+            self._pending[key] = self._trace.resolve(call)
+        elif key not in self.sites:
+            self._retrace = True  # a site not seen when the model was traced: trace the next forward
+        self._heads[key] = (call.heads, call.kv_heads)
+        with self.rec.lock:
+            if key not in self.rec.infos:  # a site seen on steps measured for the clip only
+                self.rec.infos[key] = SiteInfo(call.kind, call.heads, call.kv_heads, call.d_k, softcap=call.softcap,
+                                               scale_from=call.scale_from)
+        if top is None:
+            return
+        top = top.detach().float()
+        prev = self._top.get(key)
+        self._top[key] = top if prev is None or prev.shape != top.shape else torch.maximum(prev, top)
+
+    # -- optimizer steps ---------------------------------------------------------------------------
+    def _targets(self) -> Set[int]:
+        out = set()
+        for found in self.sites.values():
+            if isinstance(found, SiteProvenance):
+                for rows in (found.q, found.k):
+                    module = rows.module()
+                    if module is not None:
+                        out.add(id(module._parameters[rows.weight]))
+        return out or {id(p) for p in self.model.parameters()}
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        try:
+            self.settle()
+            targets = self._targets()
+            held = any(id(p) in targets for group in optimizer.param_groups for p in group["params"])
+            if held:
+                self.step()
+        except Exception as err:  # noqa: BLE001 - a training loop never dies because of probe
+            self._warn(f"probe: qk_clip failed after an optimizer step ({type(err).__name__}: {err}); "
+                       "the weights of that step were not clipped")
+
+    def _reduced(self) -> Dict[SiteKey, Tensor]:
+        """The max logits since the last clip, reduced over the ranks (every rank the same): one
+        ``MAX`` all-reduce of every site's heads, packed in an order all ranks share (the union of
+        their sites, gathered again whenever a rank traced again)."""
+        dist = _world()
+        if dist is None:
+            return dict(self._top)
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        stale = torch.tensor([float(self._layout is None)], device=device)
+        dist.all_reduce(stale, op=dist.ReduceOp.MAX)
+        if bool(stale.item()):
+            mine = sorted((key, self._heads[key][0]) for key in self._heads)
+            gathered: List[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            union = {(tuple(key), heads) for rank in gathered for key, heads in rank}
+            self._layout = sorted(union)  # type: ignore[arg-type]
+        parts = [torch.nan_to_num(self._top[key].to(device), nan=float("inf")) if key in self._top  # NaN: never clipped
+                 else torch.full((heads,), float("-inf"), device=device) for key, heads in self._layout]
+        flat = torch.cat(parts) if parts else torch.zeros(0, device=device)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        return dict(zip((key for key, _ in self._layout), flat.split([heads for _, heads in self._layout])))
+
+    def step(self) -> None:
+        """Clip every site from the max logits measured since the last clip; record what was done."""
+        if not self._top and self.sites:
+            self._warn_once("unmeasured", "probe: qk_clip: an optimizer step came with no training forward measured "
+                            "since the last clip (paused, no_grad, or a compiled graph): nothing was clipped")
+        tops = self._reduced()
+        self._top = {}
+        step = self.rec.step
+        bad = []
+        for key, top in tops.items():
+            if key not in self._heads:
+                continue  # a site another rank saw: its values only
+            _, kv_heads = self._heads[key]
+            g, a, b = factors(top, self.tau, kv_heads)
+            found = self.sites.get(key)
+            if isinstance(found, SiteProvenance):
+                scale_site(found, a, b)
+            else:
+                g = torch.ones_like(g)  # refused (or not traced yet): nothing scaled
+            bad.append((key, (torch.isnan(top) | (top == float("inf"))).any()))
+            if self.records:
+                self._record(key, step, top, g)
+        if self.opens_steps and tops:  # every=None: each clip is a window (on every rank: flushes are collective)
+            self.rec.open_step(step)
+        if bad and bool(torch.stack([flag for _, flag in bad]).any()):  # one synchronization per step, and only here
+            for key, flag in bad:
+                if bool(flag):
+                    site = self.rec.site_name(key)
+                    self._warn_once(f"nonfinite:{site}", f"probe: qk_clip: a max logit at site {site!r} is not "
+                                    f"finite (step {step}); that head is not clipped")
+
+    def _record(self, key: SiteKey, step: int, top: Tensor, g: Tensor) -> None:
+        fields = {
+            "qk_clip_logit": torch.where(top > float("-inf"), top, float("nan")),
+            "qk_clip_factor": g,
+            "qk_clip_steps": (g < 1.0).float(),
+        }
+        with self.rec.lock:
+            self.rec.acc.add(key, fields)
+
+    def close(self) -> None:
+        """Remove the optimizer hook (harmless twice)."""
+        self._handle.remove()
+        self.stop_mode()
+        self._trace = None
+        if self.rec.on_logit_max == self.on_call:
+            self.rec.on_logit_max = None
+
+
+class Riders:
+    """What rides on a probe's capture mode: the first-forward audit (on sampled steps) and, with
+    ``qk_clip``, the clip's provenance trace (above both) and its max-logit-only steps.
+
+    The profiler calls :meth:`start` once the capture mode is entered, :meth:`stop` before it is
+    left and :meth:`finish` after; :meth:`remove` (with the probe's other handles, at close)
+    removes the clip's optimizer hook.
+
+    Args:
+        audit: the :class:`~probe.capture.audit_warning.FirstForwardAudit`.
+        clip: the :class:`Clipping`, or ``None``.
+        sampled: whether a step is sampled (its forwards get every statistic, not only max logits).
+    """
+
+    def __init__(self, audit: Any, clip: Optional[Clipping], sampled: Callable[[int], bool]) -> None:
+        self.audit = audit
+        self.clip = clip
+        self._sampled = sampled
+
+    @property
+    def events(self) -> List[Any]:
+        return self.audit.events
+
+    def measures(self) -> bool:
+        """Whether a forward starting now is captured for QK-Clip (sampled or not)."""
+        return self.clip is not None and self.clip.measures()
+
+    def start(self, recorder: Recorder) -> None:
+        recorder.max_logit_only = not self._sampled(recorder.step)  # a step recorded for QK-Clip only
+        if not recorder.max_logit_only:
+            self.audit.start(recorder)  # above the capture mode: it sees the model's ops first
+        if self.clip is not None:
+            self.clip.start()  # above the audit
+
+    def stop(self) -> None:
+        if self.clip is not None:
+            self.clip.stop_mode()
+        self.audit.stop()
+
+    def finish(self, recorder: Recorder) -> None:
+        self.audit.finish(recorder)
+        if self.clip is not None:
+            self.clip.end()
+
+    def remove(self) -> None:
+        if self.clip is not None:
+            self.clip.close()
