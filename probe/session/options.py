@@ -10,8 +10,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from probe.errors import ProbeError
 from probe.ci.expressions import SCALE_NAME
 
-__all__ = ["BUILTIN_SCALES", "DEFAULT_ROWS", "ExtraScale", "check_audit", "check_fraction", "check_int", "check_scales",
-           "check_seconds", "output_sinks", "scale_value", "tensorboard_sink"]
+__all__ = ["BUILTIN_SCALES", "DEFAULT_ROWS", "ExtraScale", "check_audit", "check_every", "check_fraction", "check_int",
+           "check_scales", "check_seconds", "check_tau", "output_sinks", "scale_value", "tensorboard_sink"]
 
 #: An extra named scale: a float, or a callable of d_k.
 ExtraScale = Union[float, Callable[[int], float]]
@@ -32,6 +32,23 @@ def check_int(name: str, value: Any, minimum: int) -> int:
         kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ProbeError(f"expected `{name}` to be {kind}, got {value!r}")
     return value
+
+
+def check_tau(name: str, value: Any) -> float:
+    """A positive finite threshold (QK-Clip's τ)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(float(value)) and value > 0):
+        raise ProbeError(f"expected `{name}` to be a positive finite max logit τ (such as 100.0), got {value!r}")
+    return float(value)
+
+
+def check_every(every: Any, qk_clip: Any) -> Optional[int]:
+    """``every``: a positive int; ``None`` (no statistics but QK-Clip's max logits) with ``qk_clip`` only."""
+    if every is None and qk_clip is not None:
+        return None
+    if every is None:
+        raise ProbeError("expected `every` to be a positive int, got None (every=None, no statistics, only "
+                         "makes sense with qk_clip=)")
+    return check_int("every", every, 1)
 
 
 def check_scales(scales: Optional[Mapping[str, ExtraScale]]) -> Dict[str, ExtraScale]:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from probe.capture.audit_warning import FirstForwardAudit
+from probe.session.clipping import Riders, clipping
 from probe.capture.mode import CaptureMode, ModuleStack, SitesFilter, site_filter
 from probe.capture.registry import default_frontends
 from probe.session.compiled import EagerSteps, check_model, is_compiled, outside_graph, skipped_compiled
@@ -20,8 +21,8 @@ from probe.session.forward_guard import ForwardFrame, RootHook
 from probe.session.lifecycle import Counting, Event, Lifecycle, Phase
 from probe.session.transforms import StepAside, transform_running
 from probe.once import WarnOnce
-from probe.session.options import (BUILTIN_SCALES, DEFAULT_ROWS, ExtraScale, check_audit, check_fraction, check_int,
-                                   check_scales, check_seconds, output_sinks)
+from probe.session.options import (BUILTIN_SCALES, DEFAULT_ROWS, ExtraScale, check_audit, check_every, check_fraction,
+                                   check_int, check_scales, check_seconds, output_sinks)
 from probe.session.recorder import Recorder
 from probe.session.schedule import Action, Schedule
 from probe.sinks.base import Sink
@@ -66,6 +67,9 @@ class Probe:
         audit: warn once per attention the first sampled forward shows probe misses (:mod:`probe.capture.audit`);
             ``"quiet"``: audit that forward without warning (its findings in :attr:`audit_events`).
         offset: sample the steps with ``step % every == offset`` (a trainer logging N-1, 2N-1, ...).
+        qk_clip: τ: after each optimizer step, scale the q and k weights of every head whose max logit
+            exceeded τ on that step so that it is τ (QK-Clip, docs/qk_clip.md). Every training forward
+            is then measured (its max logits only, unless sampled); ``every=None``: nothing else.
     """
 
     # The model is held in a slot, outside ``__dict__``: the finalizer closes a forgotten probe
@@ -91,13 +95,14 @@ class Probe:
         close_timeout: float = 30.0,
         audit: Union[bool, str] = True,
         offset: int = 0,
+        qk_clip: Optional[float] = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"expected `model` to be a torch.nn.Module, got {type(model).__name__}")
         check_model(model)
-        self.every = check_int("every", every, 1)
+        self.every = check_every(every, qk_clip)  # None: QK-Clip's max logits only
         self.flush_every = check_int("flush_every", flush_every, 1)
-        self._schedule = Schedule(self.every, self.flush_every, check_int("offset", offset, 0))
+        self._schedule = Schedule(self.every or 1, self.flush_every, check_int("offset", offset, 0))
         self.memory_budget = check_int("memory_budget", memory_budget, 1)
         self.rows = None if rows is None else check_int("rows", rows, 1)
         self.saturation = check_fraction("saturation", saturation)
@@ -127,12 +132,16 @@ class Probe:
                              saturation=self.saturation, memory_budget=self.memory_budget, rows=self.rows,
                              grads=self.grads, site_ok=self._site_ok, warn=self._out.writer.warn)
         self._out.rec = self._rec
-        self._audit = FirstForwardAudit(model, self._frontends, done=not audit, warn=audit != "quiet")
+        # what rides on the capture mode: the first-forward audit and, with qk_clip, the clip's trace
+        clip = clipping(model, qk_clip, self._rec, self._out.writer.warn, writes, self.every)
+        self._audit = Riders(FirstForwardAudit(model, self._frontends, done=not audit, warn=audit != "quiet"),
+                             clip, self._sampled)
         self._life = Lifecycle()  # READY; every phase change goes through it (probe.session.lifecycle)
         self._handles = [
             # RootHook: a deepcopy / pickle / torch.save of the model copies them as inert hooks
             model.register_forward_pre_hook(RootHook(self._on_forward_start), with_kwargs=True),
             model.register_forward_hook(RootHook(self._on_forward_end), with_kwargs=True, always_call=True),
+            self._audit,  # its remove() removes the clip's optimizer hook
         ]
         # Closed without close() when collected or at interpreter exit, whichever comes first.
         self._finalizer = weakref.finalize(self, _close_forgotten, type(self), self.__dict__)
@@ -167,7 +176,7 @@ class Probe:
         self._recover_if_interrupted()
         n = check_int("n", n, 0)
         self._close_window()
-        self._life.set_step(n, window and self._sampled(n))
+        self._life.set_step(n, window and (self._sampled(n) or self._audit.measures()))
         self._rec.step = n  # calls emitted from now on belong to this step
         self._rec.empty_steps.begin(n, self._sampled(n))  # a sampled step that measures nothing is warned
         self._maybe_flush()
@@ -206,7 +215,7 @@ class Probe:
             self._out.writer.flush()
 
     def _sampled(self, step: int) -> bool:
-        return self._schedule(step) is Action.RECORD
+        return self.every is not None and self._schedule(step) is Action.RECORD
 
     def _maybe_flush(self) -> None:
         if self._schedule.flush_due(self._rec.window, self._rec.step):
@@ -239,8 +248,9 @@ class Probe:
         self._rec.step = step
         self._rec.begin_forward(step)
         self._maybe_flush()
-        capture = not life.paused and self._sampled(step)
-        if capture and self._dist is not None:
+        sampled = not life.paused and self._sampled(step)
+        capture = sampled or (not life.paused and self._audit.measures())  # qk_clip: every training forward
+        if sampled and self._dist is not None:
             # Ranks must flush at the same steps: a sampled step opens the window even on a rank
             # whose forward issues no attention call.
             self._rec.open_step(step)
@@ -272,7 +282,7 @@ class Probe:
             life.depth -= 1
             return
         self._frame.exit()
-        captured = life.phase is Phase.CAPTURE
+        captured = life.phase is Phase.CAPTURE and not self._rec.max_logit_only  # a sampled capture
         self._stop_capture()
         life.end_forward()
         if captured:  # no attention call captured: warned (probe.session.empty_steps)
