@@ -12,6 +12,9 @@ Llama, SDPA, 4 layers, hidden 256, 8 heads / 2 kv heads, batch 1, seq 1024, caus
 - ``every=1+tb``: the same with a TensorBoard ``logdir``.
 - ``every=10+tb``: one step in ten probed, TensorBoard; a round is a 10-step window, reported
   per step.
+- ``max_logit``: QK-Clip's measurement, ``probe.watch(model, every=None, qk_clip=1e9)``: every
+  step's max logits only (one ``q·kᵀ`` per call, no exponential; τ so large that nothing is
+  clipped, and no optimizer step in the timed step: this is the measurement alone).
 - ``plain`` (``--plain``): a straightforward implementation of the same statistics, written
   below: full logits and a separate softmax per scale, ``.item()`` per head and metric.
 - ``every=1,rows=N`` (``--rows N``): every step probed with a budget of N sampled query rows
@@ -209,13 +212,13 @@ class Arms:
 
     def _probe_arms(self, prefix: str, impl: Any, base: torch.nn.Module, tmp: str) -> None:
         specs = {"unsampled": (10**9, False, 1), "every=1": (1, False, 1),
-                 "every=1+tb": (1, True, 1), "every=10+tb": (10, True, 10)}
+                 "every=1+tb": (1, True, 1), "every=10+tb": (10, True, 10), "max_logit": (None, False, 1)}
         for name, (every, tb, steps) in specs.items():
-            if ONLY and name not in ONLY:
+            if (ONLY and name not in ONLY) or (name == "max_logit" and prefix):  # older versions: no qk_clip
                 continue
             model = copy.deepcopy(base)
             logdir = os.path.join(tmp, (prefix + name).replace(":", "_")) if tb else None
-            p = impl.watch(model, logdir=logdir, every=every)
+            p = impl.watch(model, logdir=logdir, every=every, **({"qk_clip": 1e9} if every is None else {}))
             self.probes.append(p)
             if name == "unsampled":
                 self.step(model)  # step 0 is sampled; every later step is not
