@@ -16,8 +16,8 @@ from probe.state.distributed import combine_ranks
 from probe.state.results import Results
 
 HEADS = 3
-# one field of every kind: moments, max, sum (counts and sums), last, and grad_steps
-FIELDS = ("logit@actual", "logit_max@actual", "entropy@actual", "rows", "scale", GRAD_STEPS)
+# one field of every kind: moments, max, min, sum (counts and sums), last, and grad_steps
+FIELDS = ("logit@actual", "logit_max@actual", "qk_clip_factor", "entropy@actual", "rows", "scale", GRAD_STEPS)
 
 
 def _raw_parts(rng: np.random.Generator, parts: int):
@@ -29,6 +29,7 @@ def _raw_parts(rng: np.random.Generator, parts: int):
         out.append({
             "logits": logits,
             "entropy": rng.uniform(0, 5, size=HEADS),
+            "factor": rng.uniform(0.1, 1.0, size=HEADS),
             "rows": rng.integers(1, 9, size=HEADS).astype(float),
             "scale": rng.uniform(0.05, 1.0, size=HEADS),
             "steps": float(rng.integers(0, 2)),
@@ -46,6 +47,7 @@ def _state(part) -> dict:
     return {
         "logit@actual": t(np.stack([n, mean, m2])),
         "logit_max@actual": t(mx),
+        "qk_clip_factor": t(part["factor"]),
         "entropy@actual": t(part["entropy"]),
         "rows": t(part["rows"]),
         "scale": t(part["scale"]),
@@ -65,6 +67,7 @@ def _reference(parts, across: str) -> dict:
             [((x - x.mean()) ** 2).sum() if len(x) else 0.0 for x in logits],
         ]),
         "logit_max@actual": np.array([x.max() if len(x) else -math.inf for x in logits]),
+        "qk_clip_factor": np.min([p["factor"] for p in parts], axis=0),
         "entropy@actual": np.sum([p["entropy"] for p in parts], axis=0),
         "rows": np.sum([p["rows"] for p in parts], axis=0),
         "scale": parts[-1]["scale"],
@@ -156,5 +159,5 @@ def test_merge_adopts_new_fields_and_kinds_follow_the_catalogue():
     into = {"rows": torch.tensor([1.0])}
     merge_states(into, {"rows": torch.tensor([2.0]), "logit_max@unscaled": torch.tensor([4.0])})
     assert into["rows"].item() == 3.0 and into["logit_max@unscaled"].item() == 4.0
-    assert [kind(f) for f in FIELDS] == ["moments", "max", "sum", "sum", "last", "sum"]
+    assert [kind(f) for f in FIELDS] == ["moments", "max", "min", "sum", "sum", "last", "sum"]
     assert kind(GRAD_STEPS, "ranks") == "max" and kind("rows", "ranks") == "sum"
