@@ -73,6 +73,7 @@ class MetricSpec:
         nan_no_data: NaN means "nothing to measure" (no valid entry or row), not a failure.
         colour: the heatmap colour range.
         compare_heads: how compare's table folds heads (``rss``: a norm over heads).
+        optional: produced only on request (``qk_clip=``): where absent it is not "not measured".
     """
 
     name: str
@@ -85,6 +86,7 @@ class MetricSpec:
     nan_no_data: bool
     colour: Colour
     compare_heads: Fold = "mean"
+    optional: bool = False
 
 
 _UNIT = Colour(0.0, 1.0, "linear", (0.0, 0.25, 0.5, 0.75, 1.0))
@@ -123,10 +125,10 @@ METRICS: Tuple[MetricSpec, ...] = (
     # QK-Clip (qk_clip=, probe.session.clipping), per optimizer step and head: the max logit S it
     # measured (every training step, not only sampled ones), the factor γ = min(1, τ/S) it applied
     # to the head's logits, and whether it clipped (summed: the number of steps clipped)
-    MetricSpec("qk_clip_logit", False, "qk_clip_logit", "max", "count", "max", "max", True, _LOGIT_MAX, "max"),
-    MetricSpec("qk_clip_factor", False, "qk_clip_factor", "min", "count", "min", "min", False, _UNIT, "min"),
+    MetricSpec("qk_clip_logit", False, "qk_clip_logit", "max", "count", "max", "max", True, _LOGIT_MAX, "max", True),
+    MetricSpec("qk_clip_factor", False, "qk_clip_factor", "min", "count", "min", "min", False, _UNIT, "min", True),
     MetricSpec("qk_clip_steps", False, "qk_clip_steps", "sum", "count", "sum", "sum", False,
-               Colour(0.0, 1e4, "log1p", (0.0, 10.0, 100.0, 1e3, 1e4)), "sum"),
+               Colour(0.0, 1e4, "log1p", (0.0, 10.0, 100.0, 1e3, 1e4)), "sum", True),
 )
 
 METRIC_ORDER: Tuple[str, ...] = tuple(m.name for m in METRICS)

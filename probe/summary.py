@@ -24,7 +24,7 @@ from probe.metrics import METRICS
 __all__ = ["SCALE_FREE", "SUMMARY_FILE", "Account", "Summary", "compact_values", "format_estimate", "json_number"]
 
 #: Metrics without a scale: reported under ``actual``.
-SCALE_FREE = frozenset({"nonfinite", "grad_q", "grad_k", "grad_v"})
+SCALE_FREE = frozenset({"nonfinite", "grad_q", "grad_k", "grad_v", "qk_clip_logit", "qk_clip_factor", "qk_clip_steps"})
 #: The reason of a gradient metric that no explanation covers.
 _NO_BACKWARD = ("no backward pass reached it on a sampled step (inference, grads=False, or no backward yet)")
 
@@ -286,8 +286,8 @@ class Summary:
         out: List[Account] = []
         for spec in METRICS:
             name = spec.name
-            if name.endswith("_se"):
-                continue  # a standard error goes with its metric
+            if name.endswith("_se") or (spec.optional and name not in metrics):
+                continue  # a standard error goes with its metric; qk_clip's only where asked for
             for scale in ("actual",) if name in SCALE_FREE else scales:
                 have = metrics.get(name, {})
                 if scale in have:

@@ -106,10 +106,11 @@ def test_schedule_is_a_pure_function_of_the_step():
 def test_the_catalogue_declares_every_metric_once_in_report_order():
     assert METRIC_ORDER == ("logit_var", "logit_max", "entropy", "max_prob", "saturation", "nonfinite",
                             "grad_logits", "grad_q", "grad_k", "grad_v",
-                            "entropy_se", "max_prob_se", "saturation_se", "grad_logits_se")  # the last four with rows=
+                            "entropy_se", "max_prob_se", "saturation_se", "grad_logits_se",  # these four with rows=
+                            "qk_clip_logit", "qk_clip_factor", "qk_clip_steps")  # these three with qk_clip=
     assert len({m.field for m in METRICS}) == len(METRICS)
     assert NAN_MEANS_NO_DATA == {"logit_var", "logit_max", "entropy", "max_prob", "saturation",
-                                 "entropy_se", "max_prob_se", "saturation_se"}
+                                 "entropy_se", "max_prob_se", "saturation_se", "qk_clip_logit"}
     assert [field_reduction(f) for f in ("logit@actual", "logit_max@unscaled", "entropy@standard", "scale",
                                          "rows", "grad_q_sq", "grad_logits_sq@actual")] == [
         "moments", "max", "sum", "last", "sum", "sum", "sum"]
