@@ -315,3 +315,19 @@ def test_probe_qk_clip_is_watch_with_the_option(tmp_path):
     saved = probe.Summary.load(str(tmp_path / "run"))
     assert saved.metrics("root") == ["qk_clip_logit", "qk_clip_factor", "qk_clip_steps"]
     assert saved.value("root", "qk_clip_steps").tolist() == (s > tau).double().tolist()
+
+
+@pytest.mark.parametrize("every", [None, 1])
+def test_an_unverified_site_is_refused(every):
+    from tests.test_verify import ReusedBuffer  # its record no longer matches the model after the softmax
+
+    torch.manual_seed(0)
+    model, x = ReusedBuffer(), torch.randn(2, 8, 16) * 5
+    before = copy.deepcopy(model.state_dict())
+    with pytest.warns(UserWarning, match="qk_clip does not clip site 'root'.*unverified"):
+        with probe.watch(model, qk_clip=1e-3, every=every) as p:
+            model(x).sum().backward()
+            torch.optim.SGD(model.parameters(), lr=0.0).step()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert "unverified" in p.summary().info("root")["qk_clip"]

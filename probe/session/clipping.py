@@ -88,6 +88,7 @@ class Clipping:
         self._heads: Dict[SiteKey, Tuple[int, int]] = {}  # (heads, kv heads)
         self._top: Dict[SiteKey, Tensor] = {}  # max logit per head since the last clip
         self._trace: Optional[Trace] = None
+        self._unverified: Set[SiteKey] = set()
         self._pending: Dict[SiteKey, Any] = {}
         self._signature: Optional[Tuple[int, ...]] = None
         self._retrace = True
@@ -134,13 +135,27 @@ class Clipping:
         self._pending = {}
         self._layout = None
         for key, found in self.sites.items():
+            if key in self._unverified:
+                continue
             with self.rec.lock:
                 info = self.rec.infos.get(key)
                 if info is not None:
                     info.qk_clip = found.describe()
             if isinstance(found, Refusal):
-                site = self.rec.site_name(key)
-                self._warn_once(site, f"probe: qk_clip does not clip site {site!r}: {found.reason}")
+                self._warn_refused(key, found.reason)
+
+    def _warn_refused(self, key: SiteKey, reason: str) -> None:
+        site = self.rec.site_name(key)
+        self._warn_once(site, f"probe: qk_clip does not clip site {site!r}: {reason}")
+
+    def _refuse(self, key: SiteKey, reason: str) -> None:
+        """Never clip ``key`` again (its record was found not to reproduce the model)."""
+        self._unverified.add(key)
+        with self.rec.lock:
+            info = self.rec.infos.get(key)
+            if info is not None:
+                info.qk_clip = Refusal(reason).describe()
+        self._warn_refused(key, reason)
 
     def on_call(self, key: SiteKey, call: AttentionCall, top: Optional[Tensor]) -> None:
         """One recorded call of a measured forward (from the recorder)."""
@@ -154,7 +169,13 @@ class Clipping:
                 self.rec.infos[key] = SiteInfo(call.kind, call.heads, call.kv_heads, call.d_k, softcap=call.softcap,
                                                scale_from=call.scale_from)
         if top is None:
-            return
+            if self.rec.verifier.unverified(key):
+                if key not in self._unverified:
+                    self._refuse(key, "probe's record of its attention does not reproduce the model's own result "
+                                 "(the site is unverified): its max logits are not trusted")
+                top = torch.full((call.heads,), float("-inf"), device=call.q.device)  # recorded as no data
+            else:
+                return
         top = top.detach().float()
         prev = self._top.get(key)
         self._top[key] = top if prev is None or prev.shape != top.shape else torch.maximum(prev, top)
@@ -218,7 +239,7 @@ class Clipping:
                 continue  # a site another rank saw: its values only
             _, kv_heads = self._heads[key]
             g, a, b = factors(top, self.tau, kv_heads)
-            found = self.sites.get(key)
+            found = None if key in self._unverified else self.sites.get(key)
             if isinstance(found, SiteProvenance):
                 scale_site(found, a, b)
             else:
@@ -272,9 +293,8 @@ class Riders:
         self.clip = clip
         self._sampled = sampled
 
-    @property
-    def events(self) -> List[Any]:
-        return self.audit.events
+    def __getattr__(self, name: str) -> Any:  # the audit's own attributes (events, done, ...)
+        return getattr(self.__dict__["audit"], name)
 
     def measures(self) -> bool:
         """Whether a forward starting now is captured for QK-Clip (sampled or not)."""
