@@ -331,3 +331,22 @@ def test_an_unverified_site_is_refused(every):
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert "unverified" in p.summary().info("root")["qk_clip"]
+
+
+def test_a_forgotten_clip_keeps_no_model_alive():
+    import gc
+    import weakref
+
+    def trial():
+        model, x = _model_and_batch(8)
+        p = probe.qk_clip(model, 1.0)
+        model(x).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.0).step()
+        return weakref.ref(model), weakref.ref(p)
+
+    with pytest.warns(UserWarning, match="never closed"):
+        model, p = trial()
+        gc.collect()
+    assert model() is None and p() is None
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+    assert not _global_optimizer_post_hooks

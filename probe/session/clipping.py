@@ -25,6 +25,7 @@ forward's max logit may exceed τ by what one optimizer step adds (docs/qk_clip.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -77,7 +78,7 @@ class Clipping:
 
     def __init__(self, model: nn.Module, tau: float, recorder: Recorder, warn: Callable[[str], None],
                  records: bool = True, opens_steps: bool = True) -> None:
-        self.model = model
+        self._model = weakref.ref(model)  # a forgotten probe keeps no model alive (as the recorder)
         self.tau = float(tau)
         self.rec = recorder
         self._warn = warn
@@ -93,7 +94,11 @@ class Clipping:
         self._signature: Optional[Tuple[int, ...]] = None
         self._retrace = True
         self._layout: Optional[List[Tuple[SiteKey, int]]] = None  # the cross-rank packing order
-        self._handle = register_optimizer_step_post_hook(self._on_optimizer_step)
+        # the global hook holds the clip weakly: an unclosed probe is still collected (and closed)
+        ref = weakref.ref(self)
+        self._handle = register_optimizer_step_post_hook(
+            lambda opt, args, kwargs: (lambda c: c is not None and c._on_optimizer_step(opt, args, kwargs))(ref()))
+        weakref.finalize(self, self._handle.remove)
         recorder.on_logit_max = self.on_call
 
     # -- forwards --------------------------------------------------------------------------------
@@ -104,13 +109,16 @@ class Clipping:
 
     def start(self) -> None:
         """A measured forward begins (the capture mode is entered): follow it if provenance is due."""
-        signature = tuple(id(p) for p in self.model.parameters())
+        model = self._model()
+        if model is None:
+            return
+        signature = tuple(id(p) for p in model.parameters())
         if signature != self._signature:
             self._signature, self._retrace = signature, True
         if self._retrace and self._trace is None:
             self._retrace = False
             self._pending = {}
-            self._trace = Trace(self.model, site_names(self.model))
+            self._trace = Trace(model, site_names(model))
             self._trace.__enter__()
 
     def stop_mode(self) -> None:
@@ -189,7 +197,8 @@ class Clipping:
                     module = rows.module()
                     if module is not None:
                         out.add(id(module._parameters[rows.weight]))
-        return out or {id(p) for p in self.model.parameters()}
+        model = self._model()
+        return out or (set() if model is None else {id(p) for p in model.parameters()})
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
@@ -291,7 +300,8 @@ class Riders:
     def __init__(self, audit: Any, clip: Optional[Clipping], sampled: Callable[[int], bool]) -> None:
         self.audit = audit
         self.clip = clip
-        self._sampled = sampled
+        # weakly: the probe's finalizer holds its attributes, which must not lead back to the probe
+        self._sampled = weakref.WeakMethod(sampled) if hasattr(sampled, "__self__") else (lambda: sampled)
 
     def __getattr__(self, name: str) -> Any:  # the audit's own attributes (events, done, ...)
         return getattr(self.__dict__["audit"], name)
@@ -301,7 +311,8 @@ class Riders:
         return self.clip is not None and self.clip.measures()
 
     def start(self, recorder: Recorder) -> None:
-        recorder.max_logit_only = not self._sampled(recorder.step)  # a step recorded for QK-Clip only
+        sampled = self._sampled()
+        recorder.max_logit_only = not (sampled is not None and sampled(recorder.step))  # QK-Clip's step only
         if not recorder.max_logit_only:
             self.audit.start(recorder)  # above the capture mode: it sees the model's ops first
         if self.clip is not None:
