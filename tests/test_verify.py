@@ -317,3 +317,34 @@ def test_the_check_reads_a_few_rows_within_the_budget():
     assert rows * entries * 16 * 4096 * 32 <= 2**30 and rows == 8
     short = torch.empty(4, 4, 64, 16, device="meta")
     assert check_shape(AttentionCall(q=short, k=short, v=short, scale=0.25), 8, 16 * 2**20) == (4, 8)
+
+
+def test_a_minus_100_mask_added_to_a_positive_bias_is_not_silently_counted_as_valid():
+    """Shifted-window attention as timm's fused Swin runs it: SDPA with ``attn_mask = rel_bias +
+    mask``, a -100 mask. The output matches, but keys the model masks sum to just above -100 where
+    the bias is positive: counted as valid, they would change the normalized entropy. The check
+    names it (the site is unverified) instead of reporting it silently."""
+
+    class Shifted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+            self.rel = nn.Parameter(torch.full((2, 8, 8), 0.5))  # a positive relative position bias
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            mask = x.new_zeros(8, 8)
+            mask[:4, 4:] = -100.0
+            mask[4:, :4] = -100.0
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.rel + mask).transpose(1, 2).reshape(2, 8, 16)
+
+    model = Shifted()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.watch(model) as p:
+            model(torch.randn(2, 8, 16))
+    (message,) = [m for m in _messages(caught) if "UNVERIFIED" in m]
+    assert "masked in effect" in message
+    s = p.summary()
+    assert s.info("root")["verified"] is False and "masked in effect" in s.info("root")["verification"]
+    assert "entropy" not in s.metrics("root")  # SDPA: no probabilities of the model's own to report

@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall
-from probe.stats.verify import check_positions, check_shape, output_distance, probs_distance, probs_fields
+from probe.stats.verify import (check_positions, check_shape, masked_in_effect, output_distance, probs_distance,
+                                probs_fields)
 
 __all__ = ["CHECK_EVERY", "CHECK_ROWS", "LATER_ROWS", "Verdict", "Verifier", "probs_view"]
 
@@ -135,6 +136,13 @@ class Verifier:
                                                        checks=(verdict.checks if verdict else 0))
             return verdict
         distance, tolerance, against, rows = result
+        if call.bias is not None and first:
+            hidden = int(masked_in_effect(call, *self._rows(call, CHECK_ROWS)))
+            if hidden:  # P matches, but the valid keys (entropy's normalization) would not
+                self._decide(key, call.site, step, float("inf"), float(tolerance),
+                             f"{hidden} key(s) masked in effect (a bias at least 100 below the row's largest: a -100 "
+                             "mask added to a positive bias) counted as valid", rows)
+                return self.verdicts[key]
         if first or distance.device.type != "cuda":
             self._decide(key, call.site, step, float(distance), float(tolerance), against, rows)
         else:  # a later check on a GPU: copied without waiting, read at a later call
@@ -145,10 +153,13 @@ class Verifier:
             self._pending.append((key, call.site, step, host, event, against, rows))
         return self.verdicts[key]
 
+    def _rows(self, call: AttentionCall, rows: int) -> Tuple[int, Tensor]:
+        entries, n = check_shape(call, rows, self.budget_bytes // 4)
+        return entries, check_positions(call.q.shape[2], n, call.q.device)
+
     def _check(self, call: AttentionCall, rows: int) -> Any:
         """``(distance, tolerance, against, rows)`` as 0-d tensors and words, or why not checked."""
-        entries, n = check_shape(call, rows, self.budget_bytes // 4)
-        pos = check_positions(call.q.shape[2], n, call.q.device)
+        entries, pos = self._rows(call, rows)
         where = f"{pos.numel()} row(s) of {entries} batch entr{'y' if entries == 1 else 'ies'}"
         if call.probs is not None:
             if call.probs._version != 0:

@@ -34,8 +34,8 @@ from torch import Tensor
 from probe.call import AttentionCall
 from probe.stats.chunks import MASK_BIAS, accumulation_dtype
 
-__all__ = ["TOLERANCE", "check_positions", "check_shape", "output_distance", "probs_distance", "probs_fields",
-           "reconstruct"]
+__all__ = ["TOLERANCE", "check_positions", "check_shape", "masked_in_effect", "output_distance", "probs_distance",
+           "probs_fields", "reconstruct"]
 
 #: The smallest tolerance of a check (the promise: measured values within 1e-4 of the model's own).
 TOLERANCE = 1e-4
@@ -113,6 +113,23 @@ def reconstruct(call: AttentionCall, entries: int, pos: Tensor) -> Tuple[Tensor,
     return p, valid, zmax
 
 
+def masked_in_effect(call: AttentionCall, entries: int, pos: Tensor) -> Tensor:
+    """How many keys of the checked rows the record counts as valid although their bias lies at
+    least 100 below the row's largest valid bias (0-d): a mask of -100 added to a positive bias
+    (shifted-window attention: ``rel_bias + mask``) masks those keys in the model, but escapes
+    the ``bias <= -100`` rule, so the normalized entropy would count them. Never synchronizes."""
+    if call.bias is None:
+        return torch.zeros((), dtype=torch.long, device=call.q.device)
+    b, heads, keys = min(entries, call.q.shape[0]), call.q.shape[1], call.k.shape[2]
+    shape = (b, heads, pos.numel(), keys)
+    bias = _rows_of(call.bias.detach(), entries, pos, shape).double()
+    valid = ~(bias <= MASK_BIAS)
+    if call.mask is not None:
+        valid = valid & _rows_of(call.mask, entries, pos, shape)
+    top = torch.where(valid, bias, -math.inf).amax(-1, keepdim=True)
+    return (valid & (bias <= top + MASK_BIAS)).sum()
+
+
 def _roundoff(*tensors: Optional[Tensor]) -> float:
     return max(torch.finfo(t.dtype).eps / 2 for t in tensors if t is not None and t.is_floating_point())
 
@@ -172,8 +189,9 @@ def output_distance(call: AttentionCall, output: Tensor, entries: int, pos: Tens
 def probs_fields(probs: Tensor, saturation: float, budget_bytes: int) -> Dict[str, Tensor]:
     """Forward fields at ``actual`` from the model's own probabilities ``(B, H, L, S)``.
 
-    Valid keys are those with a nonzero probability (an exact zero is a masked key); a row
-    counts when it has at least two and finite probabilities. Gives ``entropy@actual`` (the
+    Valid keys are those with a probability above 1e-30 (about e^-69: an exact zero, or the
+    e^-100 weight of a -100 mask, is a masked key); a row counts when it has at least two and
+    finite probabilities. Gives ``entropy@actual`` (the
     entropy normalized by the log of the valid count, as everywhere), ``max_prob@actual``,
     ``saturated@actual`` and ``rows``: sums over rows per head. Nothing logit-based (the logits
     are not known) and no counterfactual scale.
@@ -184,7 +202,7 @@ def probs_fields(probs: Tensor, saturation: float, budget_bytes: int) -> Dict[st
     sums = torch.zeros(4, heads, dtype=acc, device=probs.device)
     for r0 in range(0, length, step):
         p = probs[:, :, r0:r0 + step].float()
-        valid = p > 0
+        valid = p > 1e-30
         n = valid.sum(-1)
         ok = (n >= 2) & torch.isfinite(p).all(-1)
         plogp = torch.where(valid, p * torch.log(torch.where(valid, p, 1.0)), 0.0).sum(-1)
