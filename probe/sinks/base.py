@@ -20,7 +20,9 @@ class Sink(Protocol):
     ``summary`` holds the flush window only (``summary.steps`` probed steps, the last being
     ``step``; several flushes merged into one when the sink fell behind, see
     :mod:`probe.state.writer`), not the running total. An exception from any method is caught
-    and warned about once (:class:`SinkGuard`); it never reaches the training loop. A sink is a few lines::
+    and warned about once (:class:`SinkGuard`); it never reaches the training loop. A ``write``
+    that raises ``OSError`` (a full disk) gets the same flush again later, so it should write a
+    flush whole or not at all. A sink is a few lines::
 
         class PrintSink:
             def write(self, step, summary):
@@ -96,11 +98,12 @@ class SinkGuard:
         self._seen: Set[Tuple[int, Type[BaseException]]] = set()
         self.failures: Dict[str, int] = {}
 
-    def call(self, sink: Any, method: str, *args: Any) -> bool:
-        """``getattr(sink, method)(*args)``; returns False (after at most one warning) if it raised."""
+    def call(self, sink: Any, method: str, *args: Any) -> Optional[BaseException]:
+        """``getattr(sink, method)(*args)``; returns what it raised (after at most one warning),
+        ``None`` when it returned."""
         try:
             getattr(sink, method)(*args)
-            return True
+            return None
         except BaseException as err:  # noqa: BLE001 - a sink failure never breaks training, SystemExit included
             name = type(sink).__name__
             self.failures[name] = self.failures.get(name, 0) + 1
@@ -108,9 +111,12 @@ class SinkGuard:
             if key not in self._seen:
                 self._seen.add(key)
                 where = f"{method}() at step {args[0]}" if method == "write" and args else f"{method}()"
+                kept = (" probe keeps what the sink could not write and gives it to the sink again at the next "
+                        "flush and at close(); if the sink never recovers, those steps are only in Probe.summary() "
+                        "and the summary file." if isinstance(err, OSError) and method == "write" else "")
                 self._warn(
                     f"probe: sink {name} failed in {where}: {type(err).__name__}: {err}. Training "
-                    f"continues and the statistics stay available from Probe.summary(); further "
+                    f"continues and the statistics stay available from Probe.summary().{kept} Further "
                     f"{type(err).__name__} failures of this sink are not reported."
                 )
-            return False
+            return err

@@ -3,8 +3,8 @@
 Without TensorFlow, TensorBoard's writer checksums every record with a pure-Python CRC-32C
 (``tensorboard.compat.tensorflow_stub.pywrap_tensorflow.masked_crc32c``): about 1.3 ms of the
 writer thread for the 7 KB scalars event of a 4-site model, holding the GIL the whole time. Here
-the same checksum takes about 0.05 ms, and :func:`speed_up` makes one ``SummaryWriter`` (probe's
-own) use it.
+the same checksum takes about 0.05 ms. probe's own event file frames its records with it
+(:mod:`probe.sinks.eventfile`); :func:`speed_up` makes a ``SummaryWriter`` use it.
 
 How: the CRC register is linear over GF(2). Starting from 0, a byte ``b`` followed by ``j`` zero
 bytes leaves ``Z^j(T[b])`` (``T`` the byte table, ``Z`` one zero byte), so a block of ``K`` bytes is

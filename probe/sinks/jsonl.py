@@ -11,10 +11,11 @@ any tool that reads lines. Use them beside or instead of TensorBoard::
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
-from typing import IO, Any, Optional, Union
+from typing import Any, BinaryIO, Optional, Union
 
 from probe.errors import ProbeError
 from probe.sinks.base import BaseSink
@@ -40,29 +41,54 @@ def _num(v: float) -> Any:
 
 class _FileSink(BaseSink):
     """Opens its file lazily on the first write (creating parent directories); flush and close
-    are safe to call at any time and twice."""
+    are safe to call at any time and twice.
+
+    Each flush is written whole or not at all: a write that fails (a full disk) cuts the file
+    back to where it was and raises ``OSError``, so the file only ever holds whole lines; probe's
+    writer keeps the flush and writes it again later (:mod:`probe.state.writer`).
+    """
 
     def __init__(self, path: Union[str, os.PathLike], append: bool = False) -> None:
         self.path = _check_path(path)
         self.append = bool(append)
-        self._file: Optional[IO[str]] = None
+        self._file: Optional[BinaryIO] = None
+        self._fresh = False  # the file is new: the header goes first
 
-    def _open(self) -> IO[str]:
+    def _open(self) -> BinaryIO:
         if self._file is None:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            fresh = not self.append or not os.path.exists(self.path) or os.path.getsize(self.path) == 0
-            self._file = open(self.path, "a" if self.append else "w", encoding="utf-8", newline="")
-            self.append = True  # a reopen after close continues the same file
-            if fresh:
-                self._header(self._file)
+            self._fresh = not self.append or not os.path.exists(self.path) or os.path.getsize(self.path) == 0
+            self._file = open(self.path, "ab" if self.append else "wb", buffering=0)  # noqa: SIM115
+            self.append = True  # a reopen after close (or after a failed write) continues the same file
         return self._file
 
-    def _header(self, f: IO[str]) -> None:
-        pass
+    def _header(self) -> str:
+        return ""
+
+    def _append(self, text: str) -> None:
+        """Write ``text`` (and the header first, into a new file) whole, or cut the file back."""
+        f = self._open()
+        data = ((self._header() if self._fresh else "") + text).encode("utf-8")
+        start = f.seek(0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                written = f.write(view)
+                if not written:
+                    raise OSError(f"short write to {self.path!r}")
+                view = view[written:]
+        except OSError:
+            self._file = None
+            try:
+                f.close()
+                os.truncate(self.path, start)
+            except OSError:
+                pass
+            raise
+        self._fresh = False
 
     def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
+        pass  # every write reaches the file whole (unbuffered)
 
     def close(self) -> None:
         if self._file is not None:
@@ -86,7 +112,7 @@ class JSONLSink(_FileSink):
     """
 
     def write(self, step: int, summary: Summary) -> None:
-        f = self._open()
+        lines = []
         for site in summary.sites:
             for metric in summary.metrics(site):
                 for scale in summary.scales(site, metric):
@@ -96,8 +122,8 @@ class JSONLSink(_FileSink):
                         "value": _num(head_reduce(metric, values)), "heads": [_num(v) for v in values],
                         "steps": summary.steps,
                     }
-                    f.write(json.dumps(record, allow_nan=False) + "\n")
-        f.flush()
+                    lines.append(json.dumps(record, allow_nan=False) + "\n")
+        self._append("".join(lines))
 
 
 class CSVSink(_FileSink):
@@ -111,14 +137,17 @@ class CSVSink(_FileSink):
 
     COLUMNS = ("step", "site", "metric", "scale", "head", "value")
 
-    def _header(self, f: IO[str]) -> None:
-        csv.writer(f).writerow(self.COLUMNS)
+    def _header(self) -> str:
+        buffer = io.StringIO()
+        csv.writer(buffer).writerow(self.COLUMNS)
+        return buffer.getvalue()
 
     def write(self, step: int, summary: Summary) -> None:
-        out = csv.writer(self._open())
+        buffer = io.StringIO()
+        out = csv.writer(buffer)
         for site in summary.sites:
             for metric in summary.metrics(site):
                 for scale in summary.scales(site, metric):
                     for head, v in enumerate(summary.value(site, metric, scale)):
                         out.writerow((step, site, metric, scale, head, "" if math.isnan(v) else repr(float(v))))
-        self.flush()
+        self._append(buffer.getvalue())

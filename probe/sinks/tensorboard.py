@@ -17,14 +17,14 @@ histograms took about 0.2-0.4 s of CPU per flush on a 2-core machine, 100 times 
 from __future__ import annotations
 
 import os
-import time
 import warnings
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import numpy as np
 
 from probe.errors import ProbeError
-from probe.sinks import checksum, tags
+from probe.sinks import tags
+from probe.sinks.eventfile import EventFile
 from probe.sinks.base import head_scalars, scalar_tag
 from probe.sinks.images import grid_of, render_heatmap
 from probe.sinks.tags import custom_scalars_layout  # the layout is part of the tag contract (tags.py)
@@ -107,14 +107,15 @@ class TensorBoardSink:
         histograms: write the histograms (``probe.{metric}.hist/{scale}``).
         image_every: steps between two flushes with images and histograms (1: every flush).
 
+    Failures: in a directory, probe writes its own event file (:class:`probe.sinks.eventfile.EventFile`,
+    on probe's sink thread, whole flushes or nothing). A write that fails (a full disk, a
+    read-only directory) leaves the file as it was and raises ``OSError``: probe's writer keeps
+    that flush and gives it to :meth:`write` again before the next one, and at close
+    (:mod:`probe.state.writer`). Nothing reaches stderr.
+
     Pitfall: a run has one custom-scalars layout; with a user's writer that already has its own
     layout, the later one wins in TensorBoard's Custom Scalars tab.
     """
-
-    #: After an ``OSError`` (full disk, unwritable directory) flushes within this many seconds are
-    #: skipped (re-raising the error) before a new event file is tried: each failed try costs a
-    #: traceback from TensorBoard's own writer thread on stderr.
-    retry_seconds: float = 30.0
 
     def __init__(
         self,
@@ -139,42 +140,36 @@ class TensorBoardSink:
         self._layout_written: Dict[str, List[str]] = {}
         self._layout_scales: Dict[Tuple[str, str], Set[str]] = {}
         self._infos: Dict[str, Dict[str, Any]] = {}
-        self._event_file: Optional[str] = None
         self._closed = False
-        self._failure: Optional[Tuple[float, OSError]] = None
 
     @property
     def writer(self) -> Any:
-        """The ``SummaryWriter``, created on first use (creating the directory)."""
+        """probe's :class:`~probe.sinks.eventfile.EventFile` in the directory, or the user's
+        ``SummaryWriter``."""
         if self._writer is None:
-            if self._owns:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._writer = SummaryWriter(log_dir=os.fspath(self._target))
-                self._event_file = _event_file(self._writer)
-                checksum.speed_up(self._writer)  # TensorBoard's pure-Python CRC was most of a flush
-            else:
-                self._writer = self._target
-            self._sites_written, self._layout_written, self._layout_scales = (), {}, {}
-            self._pictures_at = None  # a new event file starts with pictures
+            self._writer = EventFile(os.fspath(self._target)) if self._owns else self._target
+            self._new_file()
         return self._writer
 
+    def _new_file(self) -> None:
+        # a new event file holds its own layout, sites table and pictures
+        self._sites_written, self._layout_written, self._layout_scales = (), {}, {}
+        self._pictures_at = None
+
     def write(self, step: int, summary: Summary) -> None:
-        """Write one flush. An ``OSError`` (full disk, vanished directory) drops an owned writer
-        so the next flush starts a fresh event file, then propagates (the caller warns once)."""
+        """Write one flush. An ``OSError`` (a full disk, a read-only directory) leaves probe's
+        event file as it was and propagates: the caller keeps the flush and writes it again."""
         self._closed = False
-        if self._failure is not None:
-            failed_at, err = self._failure
-            if time.monotonic() - failed_at < self.retry_seconds:
-                raise err
         self._reopen_if_vanished()
+        pictures = self._pictures_at, self._pending
         try:
             self._write(self.writer, step, summary)
-        except OSError as err:
-            self._drop_writer()
-            self._failure = (time.monotonic(), err)
+        except OSError:
+            # nothing of this flush is on disk: the layout, the sites table and the pictures are
+            # written again with it
+            self._sites_written, self._layout_written, self._layout_scales = (), {}, {}
+            self._pictures_at, self._pending = pictures
             raise
-        self._failure = None
 
     def _pictures_due(self, step: int) -> bool:
         last = self._pictures_at
@@ -231,23 +226,15 @@ class TensorBoardSink:
     def _reopen_if_vanished(self) -> None:
         # An event file deleted under an open writer swallows every later event (the inode is
         # unlinked); start a new file, which recreates the directory.
-        if self._writer is not None and self._event_file is not None and not os.path.exists(self._event_file):
+        if self._owns and isinstance(self._writer, EventFile) and self._writer.vanished:
             warnings.warn(
-                f"probe: the TensorBoard event file {self._event_file!r} vanished (logdir deleted?); "
+                f"probe: the TensorBoard event file {self._writer.path!r} vanished (logdir deleted?); "
                 f"writing to a new event file from now on",
                 RuntimeWarning,
                 stacklevel=2,
             )
-            self._drop_writer()
-
-    def _drop_writer(self) -> None:
-        if self._writer is not None and self._owns:
-            try:
-                self._writer.close()
-            except Exception:  # noqa: BLE001 - the writer is already broken; it is being replaced
-                pass
-            self._writer = None
-            self._event_file = None
+            self._writer.restart()
+            self._new_file()
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -274,11 +261,3 @@ class TensorBoardSink:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _event_file(writer: Any) -> Optional[str]:
-    """Path of the event file a ``SummaryWriter`` writes (None if this torch hides it)."""
-    try:
-        return writer._get_file_writer().event_writer._file_name  # noqa: SLF001
-    except AttributeError:
-        return None

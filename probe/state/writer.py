@@ -31,93 +31,14 @@ import os
 import threading
 import time
 import warnings
-from typing import Any, Deque, Dict, Hashable, List, Mapping, Optional, Sequence, Set, Tuple
-
-import numpy as np
-import torch
-from torch import Tensor
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from probe.state.results import Results
 from probe.sinks.base import Sink, SinkGuard
-from probe.state.accumulator import unpack
-from probe.state.combine import State, merge_states
-from probe.state.finalize import finalize
+from probe.state.window import Window, to_host  # re-exported: a flush hands the writer a Window
 from probe.summary import Summary
 
 __all__ = ["Window", "Writer", "to_host"]
-
-
-class Window:
-    """The statistics of one flush on their way from the device to the totals and the sinks.
-
-    Args:
-        step: the last step of the window (the step sinks write it at).
-        steps: the probed steps it covers.
-        flat: the packed state (:meth:`probe.state.accumulator.Accumulator.pack`), on the host or
-            being copied there.
-        event: a CUDA event to wait on before reading ``flat`` (None when it is ready).
-        layout: the pack layout.
-        names: site key -> site name.
-        infos: site key -> info dict.
-    """
-
-    def __init__(self, step: int, steps: Sequence[int], flat: Optional[Tensor], event: Any, layout: Any,
-                 names: Mapping[Hashable, str], infos: Mapping[Hashable, Mapping[str, Any]]) -> None:
-        self.step = step
-        self.steps: List[int] = list(steps)
-        self._flat, self._event, self._layout = flat, event, layout
-        self._names, self._infos = names, infos
-        self.states: Optional[Dict[str, State]] = None  # site name -> host float64 state
-        self.infos: Dict[str, Dict[str, Any]] = {}
-        # the same values packed, as the totals fold them (None for a merged window)
-        self.host: Optional[np.ndarray] = None
-        self.fields: Optional[List[Tuple[str, str, Tuple[int, ...]]]] = None
-        self._summary: Optional[Summary] = None
-
-    @property
-    def ready(self) -> bool:
-        return self.states is not None
-
-    def materialize(self) -> Dict[str, State]:
-        """Wait for the copy, unpack into per-site float64 host states (once)."""
-        if self.states is None:
-            if self._event is not None:
-                self._event.synchronize()
-            assert self._flat is not None
-            host = self._flat.detach().to("cpu", torch.float64)
-            states = unpack(host, self._layout)
-            self.host = host.numpy()
-            self.fields = [(self._names[key], field, tuple(shape)) for key, field, shape in self._layout]
-            out: Dict[str, State] = {}
-            for key, state in states.items():
-                name = self._names[key]
-                info = dict(self._infos[key])
-                if "scale" in state:
-                    info["scale"] = state["scale"].tolist()
-                out[name] = state
-                self.infos[name] = info
-            self.states = out
-            self._flat = self._event = None
-        return self.states
-
-    def summary(self) -> Summary:
-        """This window alone as a :class:`Summary` (what a sink receives); after :meth:`materialize`."""
-        if self._summary is None:
-            assert self.states is not None
-            sites = {name: {"info": self.infos[name], "metrics": finalize(state)} for name, state in self.states.items()}
-            self._summary = Summary(sites, steps=len(set(self.steps)))
-        return self._summary
-
-    @staticmethod
-    def merged(a: "Window", b: "Window") -> "Window":
-        """One window covering ``a`` then ``b`` (both materialized), as if flushed together."""
-        out = Window(b.step, a.steps + b.steps, None, None, None, {}, {})
-        states: Dict[str, State] = {name: {f: v.clone() for f, v in s.items()} for name, s in (a.states or {}).items()}
-        for name, state in (b.states or {}).items():
-            merge_states(states.setdefault(name, {}), {f: v.clone() for f, v in state.items()})
-        out.states = states
-        out.infos = {**a.infos, **b.infos}
-        return out
 
 
 class _Lane:
@@ -135,6 +56,9 @@ class _Lane:
         self.doing: Optional[str] = None  # what the sink is being asked right now, for close()'s warning
         self.merged = 0
         self._force = False  # flush the sink as soon as the queue is empty (Writer.flush)
+        #: Windows the sink could not write (an ``OSError``: a full disk, a read-only directory),
+        #: oldest first: written again before the next window, at Writer.flush() and at close.
+        self.failed: Deque[Window] = collections.deque()
 
     def put(self, window: Window) -> None:
         with self._cond:
@@ -180,10 +104,15 @@ class _Lane:
         with self._cond:
             return not self._queue and self.doing is None and not self._force
 
-    def _call(self, method: str, *args: Any) -> None:
+    @property
+    def unwritten(self) -> List[int]:
+        """The steps of the windows kept because the sink could not write them."""
+        return [step for window in list(self.failed) for step in window.steps]
+
+    def _call(self, method: str, *args: Any) -> Optional[BaseException]:
         self.doing = f"{method}() at step {args[0]}" if method == "write" else f"{method}()"
         try:
-            self._writer.guard.call(self.sink, method, *args)
+            return self._writer.guard.call(self.sink, method, *args)
         finally:
             self.doing = None
 
@@ -210,12 +139,18 @@ class _Lane:
                 if window is not None:
                     self._write(window)
                     dirty = True
+                elif force and self.failed:
+                    self._retry()
+                    dirty = True
                 if dirty and (force or time.monotonic() - last_flush >= refresh):
                     self._call("flush")
                     dirty, last_flush = False, time.monotonic()
                 if force:
                     with self._cond:
                         self._force = bool(self._queue)
+            if self.failed:
+                self._retry()
+                dirty = True
             if dirty:
                 self._call("flush")
             self._call("close")
@@ -226,13 +161,33 @@ class _Lane:
     def _write(self, window: Window) -> None:
         try:
             self._writer.fold(window)
-            summary = window.summary()
+            window.summary()
         except BaseException as err:  # noqa: BLE001 - a bad window must not stop the lane
             self.doing = None
             self._writer.warn(f"probe: could not prepare step {window.step} for sink {self.name}: "
                               f"{type(err).__name__}: {err}")
             return
-        self._call("write", window.step, summary)
+        if self.failed and not self._retry():
+            self._keep(window)  # in step order, after the ones still waiting
+            return
+        if isinstance(self._call("write", window.step, window.summary()), OSError):
+            self._keep(window)
+
+    def _retry(self) -> bool:
+        """Write the kept windows again, oldest first; whether all were written."""
+        while self.failed:
+            window = self.failed[0]
+            if self._call("write", window.step, window.summary()) is not None:
+                return False
+            self.failed.popleft()
+        return True
+
+    def _keep(self, window: Window) -> None:
+        """Keep a window the sink could not write; beyond ``max_pending`` kept windows, the newest
+        two are merged (sums added, maxima kept): bounded, nothing dropped, fewer points."""
+        if len(self.failed) >= self._writer.max_pending:
+            window = Window.merged(self.failed.pop(), window)
+        self.failed.append(window)
 
     def join(self, deadline: float) -> bool:
         """Wait for the lane's thread to finish, at most until ``deadline`` (monotonic)."""
@@ -381,13 +336,13 @@ class Writer:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def flush(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every lane has written what was submitted (at most ``timeout`` seconds);
-        returns whether they all did."""
+        """Wait until every lane has written what was submitted, windows it kept after a failed
+        write tried again (at most ``timeout`` seconds); returns whether they all were written."""
         deadline = time.monotonic() + (1e9 if timeout is None else timeout)
         for lane in self._lanes:
             if lane.started:
                 lane.request_flush()
-        return all(lane.wait_idle(deadline) for lane in self._lanes)
+        return all(lane.wait_idle(deadline) and not lane.failed for lane in self._lanes)
 
     def close(self, timeout: float) -> List[str]:
         """Stop the lanes (each writes what it holds, flushes and closes its sink), waiting at most
@@ -418,15 +373,3 @@ class Writer:
     @property
     def failures(self) -> Dict[str, int]:
         return self.guard.failures
-
-
-def to_host(flat: Tensor) -> Tuple[Tensor, Any]:
-    """Start the one device→host copy of a flush; returns (host tensor, event to wait on)."""
-    flat = flat.detach()
-    if flat.device.type == "cuda":
-        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
-    return flat.to("cpu"), None

@@ -59,10 +59,20 @@ def test_speed_up_leaves_other_writers_alone():
     assert not checksum.speed_up(object())
 
 
-def test_probes_own_writer_uses_it(tmp_path):
+def test_probes_own_writer_uses_it(tmp_path, monkeypatch):
+    from probe.sinks import eventfile
     from probe.sinks.tensorboard import TensorBoardSink
+    from tests.sinks.sinkutil import reference_summary
 
+    calls = []
+
+    def spy(data):
+        calls.append(len(data))
+        return checksum.masked_crc32c(data)
+
+    monkeypatch.setattr(eventfile, "masked_crc32c", spy)
     sink = TensorBoardSink(tmp_path)
-    records = sink.writer._get_file_writer().event_writer._async_writer._writer
-    assert "write" in vars(records)  # the instance's write, with probe's checksum
+    assert isinstance(sink.writer, eventfile.EventFile)  # probe's own writer, no TensorBoard thread
+    sink.write(0, reference_summary(*model_and_inputs(1)))
     sink.close()
+    assert len(calls) >= 4 and len(calls) % 2 == 0  # two checksums a record, every record

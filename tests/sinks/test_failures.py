@@ -106,7 +106,7 @@ def test_unwritable_logdir_warns_and_keeps_statistics(tmp_path):
             for x in xs:
                 train_step(model, x)
             p.flush()  # waits for the sink: it has failed on steps 0 and 1 by now
-            during = [m for m in _probe_warnings(record) if "probe_summary.json" not in m]
+            during = [m for m in _probe_warnings(record) if "could not write probe_summary.json" not in m]
     assert len(during) == 1, during
     assert "sink TensorBoardSink failed in write() at step 0: NotADirectoryError" in during[0]
     # the summary file cannot be written either (while the run goes, and at close): one warning
@@ -133,23 +133,20 @@ def test_vanished_logdir_warns_once_and_writing_resumes_in_a_new_event_file(tmp_
     assert json.loads((logdir / "probe_summary.json").read_text())["steps"] == 4
 
 
-# TensorBoard's own writer thread prints each failed write to stderr; probe's warning is the one that counts
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_full_disk_warns_once_and_the_sink_recovers_when_space_returns(tmp_path, monkeypatch):
-    from tensorboard.compat.tensorflow_stub.io.gfile import GFile  # the event file's writes
+def test_full_disk_warns_once_and_every_step_reaches_the_event_file_when_space_returns(tmp_path, monkeypatch):
+    from probe.ci.eventfiles import check_event_files
+    from probe.sinks.eventfile import EventFile
 
-    from probe.sinks.tensorboard import TensorBoardSink
-
-    original = GFile.write
+    original = EventFile._write
     full = threading.Event()
 
     def write(self, data):
         if full.is_set():
+            original(self, data[: len(data) // 2])  # half of it reaches the disk, then the disk is full
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return original(self, data)
 
-    monkeypatch.setattr(GFile, "write", write)
-    monkeypatch.setattr(TensorBoardSink, "retry_seconds", 0.0)  # retry at every flush
+    monkeypatch.setattr(EventFile, "_write", write)
     model, xs = model_and_inputs(7)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -160,13 +157,16 @@ def test_full_disk_warns_once_and_the_sink_recovers_when_space_returns(tmp_path,
                     p.flush()  # step 0 is on disk
                     full.set()
                 if i == 5:
-                    p.flush()  # steps 1..3 met a full disk
+                    assert not p.flush()  # steps 1..3 met a full disk: kept, not written
+                    check_event_files(str(tmp_path))  # whole records only: the half record was cut back
                     full.clear()
                 train_step(model, x)
     messages = _probe_warnings(record)
     assert len(messages) == 1, messages
     assert "No space left on device" in messages[0] and "TensorBoardSink" in messages[0]
-    assert _steps_in_events(tmp_path) == [0, 4, 5, 6]  # before the disk filled and after it had room
+    assert _steps_in_events(tmp_path) == [0, 1, 2, 3, 4, 5, 6]  # the kept steps written once space returned
+    assert len([f for f in os.listdir(tmp_path) if f.startswith("events.out.tfevents")]) == 1
+    check_event_files(str(tmp_path))
     assert p.summary().steps == 7  # nothing lost from the statistics
 
 
@@ -209,31 +209,49 @@ def test_a_logdir_that_is_a_file_is_still_an_error_at_construction(tmp_path):
         probe.watch(model, logdir=f)
 
 
-def test_after_a_disk_error_the_sink_waits_before_trying_a_new_event_file(tmp_path, monkeypatch):
-    from probe.sinks.tensorboard import TensorBoardSink
-    from tests.sinks.sinkutil import reference_summary
+def test_a_failed_flush_is_cut_back_or_the_next_one_starts_a_new_file(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-    summary = reference_summary(*model_and_inputs(1))
-    sink = TensorBoardSink(tmp_path)
-    opened = []
+    from probe.ci.eventfiles import check_event_files
+    from probe.sinks.eventfile import EventFile
 
-    class FullWriter:
-        def __init__(self, log_dir):
-            opened.append(log_dir)
+    def steps(path):
+        return [e.step for e in EventFileLoader(path).Load() if e.HasField("summary")]
 
-        def add_scalar(self, *args):
-            raise OSError(errno.ENOSPC, "No space left on device")
+    def flush(events, step, fail_after=None):
+        events.add_text("t", f"step {step}", step)
+        if fail_after is not None:
+            original = EventFile._write
 
-        def close(self):
-            pass
+            def half(self, data):
+                original(self, data[:fail_after])
+                raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("torch.utils.tensorboard.SummaryWriter", FullWriter)
-    for step in range(3):
-        with pytest.raises(OSError, match="No space left"):
-            sink.write(step, summary)
-    assert len(opened) == 1  # within retry_seconds the error is re-raised without a new file
-    monkeypatch.setattr(TensorBoardSink, "retry_seconds", 0.0)
+            monkeypatch.setattr(EventFile, "_write", half)
+        try:
+            events.flush()
+        finally:
+            monkeypatch.undo()
+
+    events = EventFile(str(tmp_path))
+    flush(events, 1)
+    first = events.path
+    size = os.path.getsize(first)
+    with pytest.raises(OSError, match="No space left"):
+        flush(events, 2, fail_after=7)  # 7 bytes of the record reach the disk
+    assert os.path.getsize(first) == size  # cut back to the last whole flush
+    flush(events, 3)
+    assert events.path == first and steps(first) == [1, 3]
+    check_event_files(str(tmp_path))
+
+    size = os.path.getsize(first)
+    monkeypatch.setattr(os, "truncate", lambda *a: (_ for _ in ()).throw(PermissionError(errno.EACCES, "read-only")))
     with pytest.raises(OSError):
-        sink.write(3, summary)
-    assert len(opened) == 2
-    sink.close()
+        flush(events, 4, fail_after=5)  # cannot be cut back now: the next flush starts a new file
+    assert os.path.getsize(first) == size + 5
+    monkeypatch.undo()
+    flush(events, 5)  # ... and cuts the first one back, now that it can
+    events.close()
+    assert events.path != first and steps(events.path) == [5]
+    assert os.path.getsize(first) == size and steps(first) == [1, 3]
+    check_event_files(str(tmp_path))
