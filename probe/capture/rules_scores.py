@@ -68,7 +68,7 @@ def divided(tracer: Any, op: Op) -> None:
 # -- biases --------------------------------------------------------------------------------------------
 def add_bias(tracer: Any, op: Op, node: Scores, other: Any, coeff: Any) -> None:
     record = op.rec(other)
-    if isinstance(record, (Derived, Operand, Slice, Moved, Shift, Probs)) and carries_scale(record):
+    if isinstance(record, (Scores, Derived, Operand, Slice, Moved, Shift, Probs)) and carries_scale(record):
         tracer.set(op.out, unknown(node, "a term made from q, k or the scores with the model's factor added to "
                                    "the scores"))
         return
@@ -92,7 +92,7 @@ def plus(tracer: Any, op: Op) -> None:
     alpha = op.kwargs.get("alpha", 1)
     other = op.args[1 - i]
     rother = op.rec(other)
-    if isinstance(rother, Scores):  # scores plus a function of themselves (talking heads: s + conv1x1(s))
+    if isinstance(rother, Scores) and _same(node, rother):  # plus a mix of themselves (talking heads: s + conv1x1(s))
         a, b = (node, rother) if i == 0 else (rother, node)
         tracer.set(op.out, mix_sum(a, b, alpha))
         return
@@ -112,13 +112,20 @@ def minus(tracer: Any, op: Op) -> None:
     other = op.args[1]
     rother = op.rec(other)
     alpha = op.kwargs.get("alpha", 1)
-    if isinstance(rother, Scores):
+    if isinstance(rother, Scores) and _same(node, rother):
         tracer.set(op.out, mix_sum(node, rother, -alpha if number(alpha) else None))
         return
     if isinstance(rother, Shift) and rother.of is node and alpha == 1:
         centred(tracer, op, node, rother)
         return
     add_bias(tracer, op, node, other, -alpha if number(alpha) else None)
+
+
+def _same(a: Scores, b: Scores) -> bool:
+    """Whether two records describe the same product (one of them maybe mixed over heads). Scores
+    of another product added (DeBERTa's content-to-position terms, XLNet's positional scores) are
+    a bias when they carry no factor of the model's scale, else they make the scale unknown."""
+    return (a.mix[0] if a.mix else a) is (b.mix[0] if b.mix else b) or (a.q is b.q and a.k is b.k)
 
 
 def mix_sum(a: Scores, b: Scores, coeff: Any) -> Scores:

@@ -836,3 +836,32 @@ def test_a_per_head_factor_after_a_bias_scales_the_bias() -> None:
     for name, block in zip(s.sites, net.blocks):
         assert s.info(name)["scale"] == pytest.approx([S0 * 0.5, S0 * 2.0])
         np.testing.assert_allclose(s.value(name, "entropy"), entropy_ref(block.probs), rtol=1e-5, atol=1e-6)
+
+
+POS = torch.linspace(-1.0, 1.0, L * D).view(L, D)  # a position table (a constant)
+
+
+def core_position_product_as_bias(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    # DeBERTa: q·posᵀ gathered per relative position, divided by its own factor, added: a bias
+    c2p = torch.gather(q @ POS.t().expand(B, H, D, L), -1, torch.arange(L).flip(0).expand(B, H, L, L).contiguous())
+    scores = torch.matmul(q, (k / (3 * D) ** 0.5).transpose(-1, -2)) + c2p / (3 * D) ** 0.5
+    m.bias = (c2p / (3 * D) ** 0.5).detach().double()
+    return keep(m, scores.softmax(-1)) @ v
+
+
+def core_position_product_with_the_factor(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    # Funnel: the positional term is a product with the pre-scaled q: it scales with σ, never a fixed bias
+    q = q * S0
+    pos = torch.gather(q @ POS.t().expand(B, H, D, L), -1, torch.arange(L).flip(0).expand(B, H, L, L).contiguous())
+    return keep(m, (q @ k.transpose(-1, -2) + pos).softmax(-1)) @ v
+
+
+def test_a_product_with_positions_is_a_bias_unless_it_carries_the_factor() -> None:
+    net, s, warned = run(core_position_product_as_bias, grads=False)
+    assert not warned, warned
+    check(net, s, 1 / math.sqrt(3 * D), grads=False)
+    net, s, warned = run(core_position_product_with_the_factor, grads=False)
+    for name, block in zip(s.sites, net.blocks):
+        assert s.info(name)["scale"] is None and "with the model's factor" in s.info(name)["scale_unknown"]
+        np.testing.assert_allclose(s.value(name, "entropy"), entropy_ref(block.probs), rtol=1e-5, atol=1e-6)
+        assert any(name in w and "`actual` only" in w for w in warned), warned
