@@ -22,7 +22,7 @@ from probe.capture.ops import funcs_of, name_of
 __all__ = ["ATTENTION", "CUTS", "Event", "GRAPH_CUTS", "GRAPH_DEPTH", "PRODUCTS", "SOFTMAX", "LOG_SOFTMAX", "EXP",
            "DIV", "Taint", "WRAPPERS", "keeps_scores", "operands", "step", "tensors_in"]
 
-PRODUCTS = funcs_of(ops.PRODUCT, ops.BADDBMM, ops.EINSUM)
+PRODUCTS = funcs_of(ops.PRODUCT, ops.BADDBMM, ops.EINSUM, ops.DISTANCE)
 BADDBMM = funcs_of(ops.BADDBMM)
 SOFTMAX = funcs_of(ops.SOFTMAX)
 LOG_SOFTMAX = funcs_of(ops.LOG_SOFTMAX)

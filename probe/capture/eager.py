@@ -86,6 +86,7 @@ class EagerFrontEnd(FrontEnd):
         self._pending: List[Probs] = []
         self._warn_once = WarnOnce(RuntimeWarning)
         self.saved: Any = None  # what a ``before`` rule keeps for its rule after the call
+        self._folds: Dict[Tuple[Any, int], Tuple[Any, ...]] = {}  # (module, B·H rows) -> merged (fold_seen)
 
     # -- protocol --------------------------------------------------------------------------------
     def overrides_active(self) -> bool:
@@ -182,6 +183,7 @@ class EagerFrontEnd(FrontEnd):
             self._table.clear()
             self._pending = []
             self.saved = None
+            self._folds = {}
 
     def fire_pending(self) -> None:
         """Emit every softmax still waiting for its product with v (without v)."""
@@ -247,6 +249,19 @@ class EagerFrontEnd(FrontEnd):
         if isinstance(record, Derived):
             return record
         return None
+
+    def fold_seen(self, merged: Tuple[Any, ...], rows: int) -> None:
+        """A fold of heads into ``rows = B·H`` batch rows seen in the running module (``merged``):
+        a later product over ``rows`` rows in the same module whose own records lost it (ops that
+        keep no layout fact: a rotary embedding written out) reads its heads from here."""
+        modules = running_modules()
+        key = (id(modules[0]) if modules else None, rows)
+        seen = self._folds.get(key)
+        self._folds[key] = merged if seen is None or seen == merged else ()  # () : two different folds
+
+    def fold_of(self, rows: int) -> Optional[Tuple[Any, ...]]:
+        modules = running_modules()
+        return self._folds.get((id(modules[0]) if modules else None, rows)) or None
 
     def declared_heads(self, rows: int) -> Optional[Tuple[int, str]]:
         """``(H, attribute)`` of the innermost running module that declares its head count (an int

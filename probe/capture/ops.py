@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["ATTENTION", "CAST", "DETACH", "DIV", "DROPOUT", "EINSUM", "EXP", "FACTORY", "FLOOR", "INDEX",
-           "LINEAR", "LOG_SOFTMAX", "LSE", "MASKED_FILL", "MAX", "MUL", "NEG", "NORM", "OTHER", "PERMUTE", "PRODUCT",
+           "LINEAR", "LOG_SOFTMAX", "LSE", "MASKED_FILL", "NAN_TO_NUM", "MAX", "MUL", "NEG", "NORM", "OTHER", "PERMUTE", "PRODUCT",
            "RECIPROCAL", "RSUB", "SETITEM", "SOFTMAX", "SUM", "ADD", "SUB", "TANH", "TRANSPOSE", "VIEW", "WHERE", "BADDBMM",
-           "CONV", "JOIN", "COPY", "CLAMP", "EXPAND", "FIRST", "LINEAR_IN", "OPS", "STARTS", "CUTS", "funcs_of", "kind_of", "name_of", "tensors"]
+           "CONV", "DISTANCE", "JOIN", "COPY", "CLAMP", "EXPAND", "FIRST", "LINEAR_IN", "OPS", "STARTS", "CUTS", "funcs_of", "kind_of", "name_of", "tensors"]
 
 # -- kinds ---------------------------------------------------------------------------------------------
 PRODUCT = "product"          # a @ b, matmul, bmm: two operands contracted over the last / second-last dims
@@ -37,6 +37,7 @@ SUB = "sub"                  # a - b
 RSUB = "rsub"                # c - x
 NEG = "neg"
 MASKED_FILL = "masked_fill"
+NAN_TO_NUM = "nan_to_num"
 WHERE = "where"
 TANH = "tanh"
 FLOOR = "floor"              # clamp(min=...), torch.max(x, y), maximum: a floor (or a cap)
@@ -63,6 +64,7 @@ CONV = "conv"
 NORM = "norm"                # layer_norm, rms_norm, group_norm, normalize: a new origin
 FACTORY = "factory"          # *_like, new_*: values unrelated to the input's
 LINEAR_IN = "linear_in"      # linear ops with a hidden coefficient probe does not read (addcmul, lerp, ...)
+DISTANCE = "distance"          # cdist: scores from distances between activations (-|q - k|²)
 ATTENTION = "attention"      # fused attention (SDPA, nn.MultiheadAttention's function): other front ends
 OTHER = "other"              # anything else: the default rule of the record kind
 
@@ -96,6 +98,7 @@ _SPELLINGS: List[tuple] = [
     (NEG, "neg neg_ __neg__ negative", (torch.neg, torch.negative)),
     (MASKED_FILL, "masked_fill masked_fill_", (torch.masked_fill,)),
     (WHERE, "where", (torch.where,)),
+    (NAN_TO_NUM, "nan_to_num nan_to_num_", (torch.nan_to_num,)),
     (TANH, "tanh", (torch.tanh, F.tanh)),
     (FLOOR, "clamp clamp_ clamp_min clamp_min_ clip clip_ maximum", (torch.clamp, torch.clamp_min, torch.clip,
                                                                    torch.maximum)),
@@ -125,6 +128,7 @@ _SPELLINGS: List[tuple] = [
     (FACTORY, "new_zeros new_ones new_full new_empty new_tensor",
      (torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like, torch.rand_like, torch.randn_like)),
     (LINEAR_IN, "addcmul addcmul_ addcdiv addcdiv_ lerp lerp_", (torch.addcmul, torch.addcdiv, torch.lerp)),
+    (DISTANCE, "", (torch.cdist,)),
     (ATTENTION, "", (F.scaled_dot_product_attention, F.multi_head_attention_forward)),
 ]
 

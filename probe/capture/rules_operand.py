@@ -175,6 +175,8 @@ def replay(tracer: Any, op: Op) -> None:
         outs, bases = (op.outs, list(bases) if isinstance(bases, (list, tuple)) else [bases])
         for o, b in zip(outs, bases):
             if isinstance(b, Tensor) and tuple(b.shape) == tuple(o.shape):
+                if op.kind == K.VIEW and _folded(x, o, first) is not None:
+                    tracer.fold_seen(_folded(x, o, first), o.shape[-3])
                 tracer.set(o, dataclasses.replace(first, base=b, kv=None, merged=_merged(op, x, o, first),
                                                   batch_at=_batch_at(op, x, o, first), ops=first.ops + (op.name,)))
             else:
@@ -185,6 +187,8 @@ def replay(tracer: Any, op: Op) -> None:
         kv = first.kv if op.kind in (K.CAST, K.DETACH) else (
             first.kv.transpose(-1, -2) if first.kv is not None and _swaps_last_two(op, x) else None)
         merged, batch_at = _merged(op, x, o, first), _batch_at(op, x, o, first)
+        if op.kind == K.VIEW and _folded(x, o, first) is not None:
+            tracer.fold_seen(merged, o.shape[-3])
         if kv is not None or merged is not None or batch_at is not None:
             tracer.set(o, Operand(kv=kv, merged=merged, batch_at=batch_at))
 
@@ -270,6 +274,11 @@ def _merged(op: Op, x: Any, out: Tensor, record: Operand) -> Optional[tuple]:
         return record.merged
     if op.kind in (K.INDEX, K.VIEW) and tuple(out.shape[-3:]) == tuple(x.shape[-3:]):
         return record.merged
+    if op.kind in (K.INDEX, K.JOIN) and out.dim() == x.dim() and out.shape[-3] == x.shape[-3]:
+        # a part or a join along the tokens or features (RvT: the class token split off, rotated, joined back)
+        others = [op.rec(t) for a in op.args for t in K.tensors(a)] if op.kind == K.JOIN else [record]
+        if all(isinstance(r, Operand) and r.merged == record.merged for r in others):
+            return record.merged
     return None
 
 
@@ -284,9 +293,10 @@ def layout(tracer: Any, op: Op) -> None:
     if x.dim() == 5 and out.dim() == 4 and x.stride(2) == 0:
         tracer.set(out, repeat_kv(x, out))
         return
-    folded = _folded(x, out)
+    folded = _folded(x, out, op.rec(x) if isinstance(op.rec(x), Operand) else None)
     if folded is not None:
         tracer.set(out, Operand(merged=folded))
+        tracer.fold_seen(folded, out.shape[-3])
 
 
 @rule(K.LINEAR_IN, None, Operand)

@@ -102,6 +102,8 @@ def _heads(tracer: Any, q: Tensor, ra: Optional[Operand], rb: Optional[Operand])
     permutation that moved the batch dim), else from the module's declared head count (rows taken
     batch-major, said in ``heads_from``), else ``None``."""
     merged = ra.merged if ra is not None and ra.merged is not None else (rb.merged if rb is not None else None)
+    if merged is None:
+        merged = tracer.fold_of(q.shape[0])  # folded in this module, the fact lost on the way (a rotary)
     if merged is not None:
         return merged, None
     declared = tracer.declared_heads(q.shape[0])

@@ -314,6 +314,22 @@ def part(tracer: Any, op: Op) -> None:
         tracer.set(out, Derived(carries_scale(node), f"`{op.name}` of the scores"))
 
 
+@rule(K.JOIN, Scores)
+def joined(tracer: Any, op: Op) -> None:
+    """Scores joined along the keys with logits that are not scores (x-transformers' learned
+    attention sink: ``cat((sink, sim), dim=-1)``): a softmax over them is reported from its
+    input, scale unknown; joined any other way they are no longer these scores."""
+    parts = op.args[0] if op.args and isinstance(op.args[0], (list, tuple)) else ()
+    dim = op.arg(1, "dim", 0)
+    node = op.subject
+    x = next((t for t in parts if op.rec(t) is node), None)
+    keys = isinstance(x, Tensor) and isinstance(dim, int) and dim in (-1, x.dim() - 1)
+    if keys and isinstance(op.out, Tensor) and all(op.rec(t) is None for t in parts if t is not x):
+        tracer.set(op.out, unknown(node, "the scores joined with other logits along the keys (an attention sink)"))
+        return
+    tracer.set(op.out, Derived(carries_scale(node), "the scores joined with other tensors"))
+
+
 # -- scores written in place ---------------------------------------------------------------------------
 def _overwritten(tracer: Any, op: Op) -> None:
     node = op.rec(op.args[0]) if op.args else None

@@ -172,9 +172,10 @@ def normalised(tracer: Any, op: Op) -> None:
 
 
 # -- the probabilities on their way to P @ v ------------------------------------------------------------
-@rule((K.MUL, K.DIV, K.ADD), Probs)
+@rule((K.MUL, K.DIV, K.ADD, K.WHERE, K.MASKED_FILL, K.NAN_TO_NUM), Probs)
 def probs_changed(tracer: Any, op: Op) -> None:
-    """P changed after the softmax (a gated mix, a renormalisation): still on its way to P·v."""
+    """P changed after the softmax (a gated mix, a renormalisation, masked rows zeroed,
+    ``where(isnan(P), 0, P)``: TransformerLens): still on its way to P·v."""
     if isinstance(op.out, Tensor) and op.out.dim() >= 3:
         tracer.set(op.out, op.subject)
 

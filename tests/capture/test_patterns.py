@@ -674,7 +674,7 @@ class Folded(nn.Module):
         if self.seen:
             q, k, v = qkv.reshape(3, b * H, n, D).unbind(0)
         else:  # the merge happens where probe cannot see it (a contiguous copy made in numpy)
-            flat = torch.from_numpy(qkv.detach().reshape(3, b * H, n, D).numpy().copy()).requires_grad_()
+            flat = torch.from_numpy(qkv.detach().numpy().reshape(3, b * H, n, D).copy()).requires_grad_()
             q, k, v = flat.unbind(0)
         self.raw = (q.detach().double().view(b, H, n, D), k.detach().double().view(b, H, n, D))
         p = (q @ k.transpose(-1, -2) * S0).softmax(-1)
@@ -865,3 +865,65 @@ def test_a_product_with_positions_is_a_bias_unless_it_carries_the_factor() -> No
         assert s.info(name)["scale"] is None and "with the model's factor" in s.info(name)["scale_unknown"]
         np.testing.assert_allclose(s.value(name, "entropy"), entropy_ref(block.probs), rtol=1e-5, atol=1e-6)
         assert any(name in w and "`actual` only" in w for w in warned), warned
+
+
+# -- patterns met in third-party code (TransformerLens, x-transformers, vit-pytorch's RvT) --------------
+def core_nan_cleaned_probs(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    p = keep(m, F.softmax(q @ k.transpose(-1, -2) / D ** 0.5, dim=-1))
+    p = torch.where(torch.isnan(p), torch.zeros_like(p), p)  # TransformerLens
+    return p.masked_fill(torch.zeros(L, L, dtype=torch.bool), 0.0) @ v
+
+
+def test_probabilities_cleaned_after_the_softmax_still_meet_v() -> None:
+    net, s, warned = run(core_nan_cleaned_probs)
+    check(net, s, S0)
+    assert not warned, warned
+
+
+def core_attention_sink(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    sim = q @ k.transpose(-1, -2) * S0
+    sink = torch.full((B, H, L, 1), 0.5)  # a learned logit per head (x-transformers' head_attn_sink)
+    p = torch.cat((sink, sim), dim=-1).softmax(-1)
+    m.z = torch.cat((sink, sim), dim=-1).detach().double()
+    return p[..., 1:] @ v
+
+
+def test_scores_joined_with_a_sink_are_measured_at_actual() -> None:
+    net, s, warned = run(core_attention_sink, grads=False)
+    for name, block in zip(s.sites, net.blocks):
+        assert s.info(name)["scale"] is None and "sink" in s.info(name)["scale_unknown"]
+        np.testing.assert_allclose(s.value(name, "entropy"), entropy_ref(block.z.softmax(-1)), rtol=1e-5, atol=1e-6)
+        assert any(name in w and "`actual` only" in w for w in warned), warned
+
+
+def core_cdist(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return (-torch.cdist(q, k) ** 2 * S0).softmax(-1) @ v  # x-transformers' l2 distance attention
+
+
+def test_a_softmax_over_distances_is_named_by_the_audit() -> None:
+    net, s, warned = run(core_cdist, grads=False)
+    assert s.sites == []
+    assert any("'blocks.0' is NOT measured" in w and "`cdist`" in w for w in warned), warned
+
+
+def core_rotary_on_folded_heads(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    # vit-pytorch's RvT: heads folded into the batch, the class token split off, a rotary embedding
+    # written out (reshape to pairs, unbind, stack), joined back: the fold is not carried by the records
+    q, k, v = (t.reshape(B * H, L, D) for t in (q, k, v))
+
+    def rot(t: Tensor) -> Tensor:
+        x1, x2 = t.reshape(*t.shape[:-1], D // 2, 2).unbind(-1)
+        cos, sin = torch.linspace(0.5, 1.0, D), torch.linspace(0.1, 0.6, D)  # vary along the features
+        return t * cos + torch.stack((-x2, x1), -1).reshape(t.shape) * sin
+
+    (qc, qr), (kc, kr) = ((t[:, :1], t[:, 1:]) for t in (q, k))
+    q, k = torch.cat((qc, rot(qr)), 1), torch.cat((kc, rot(kr)), 1)
+    m.raw = (q.view(B, H, L, D).detach().double(), k.view(B, H, L, D).detach().double())
+    p = keep(m, torch.einsum("bid,bjd->bij", q, k).mul(S0).softmax(-1))
+    return torch.einsum("bij,bjd->bid", p, v).view(B, H, L, D)
+
+
+def test_heads_folded_in_the_module_are_recovered_after_a_rotary() -> None:
+    net, s, warned = run(core_rotary_on_folded_heads)  # no declared head count: the fold seen decides
+    check(net, s, S0)
+    assert not warned, warned
