@@ -348,3 +348,28 @@ def test_a_minus_100_mask_added_to_a_positive_bias_is_not_silently_counted_as_va
     s = p.summary()
     assert s.info("root")["verified"] is False and "masked in effect" in s.info("root")["verification"]
     assert "entropy" not in s.metrics("root")  # SDPA: no probabilities of the model's own to report
+
+
+def test_a_record_whose_statistics_fail_is_named_and_listed_not_lost(monkeypatch):
+    import probe.session.recorder as recorder
+
+    real = recorder.forward_stats
+
+    def fails_at_layer_1(call, *args, **kwargs):
+        if call.site == "layers.1":
+            raise RuntimeError("a record the statistics cannot read")
+        return real(call, *args, **kwargs)
+
+    monkeypatch.setattr(recorder, "forward_stats", fails_at_layer_1)
+    model, x = SDPAModel(layers=2, d_model=16, heads=2), torch.randn(2, 5, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.watch(model) as p:
+            out = model(x)
+    assert torch.equal(out, model(x))
+    (message,) = [m for m in _messages(caught) if "NOT measured" in m]
+    assert "'layers.1'" in message and "a record the statistics cannot read" in message
+    assert p.summary().sites == ["layers.0"]
+    report = probe.coverage(model, x)
+    (missed,) = report.missed
+    assert missed.site == "layers.1" and "its statistics failed" in missed.why

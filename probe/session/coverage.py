@@ -215,6 +215,9 @@ def _rows(events: List[Event], summary: Any, backward: bool = True) -> List[Row]
         rows.setdefault(site, Row(site=site, captured=True))
     for site, row in rows.items():
         if site not in summary.sites:
+            if row.captured:  # recorded, yet nothing measured: its statistics failed (probe warned)
+                row.captured = False
+                row.why = row.why or "recorded by the capture but NOT measured: its statistics failed (see probe's warning)"
             continue
         info = summary.info(site)
         row.verified, row.verification = info.get("verified"), info.get("verification") or ""

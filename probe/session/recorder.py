@@ -142,6 +142,7 @@ class Recorder:
         #: measure the max logits only (QK-Clip on a step that is not sampled): one q·kᵀ per call
         self.max_logit_only = False
         self.verifier = Verifier(memory_budget, warn_once_per_site())  # each site's record checked
+        self._warn_failed = warn_once_per_site()  # a record whose statistics fail: named once
 
     def scales_for(self, call: AttentionCall) -> Dict[str, Scale]:
         scales: Dict[str, Scale] = {"actual": call.scale, "unscaled": 1.0, "standard": call.standard_scale}
@@ -195,22 +196,13 @@ class Recorder:
         # the query rows of the exponential metrics, forward and backward (None: every row)
         rows = None if self.rows is None or length <= self.rows else self._sample(call.site, length)
         key = (name, index)
-        with torch.no_grad():
-            if call.logits is not None:  # an eager softmax whose scale is unknown: `actual` only
-                fields = self._unknown_scale_stats(call)
-            else:
-                if call.scale_unknown is not None:
-                    self._warn_unknown(call)
-                # a float mask as a boolean one, HF's (B, 1, L, S) mask as causal + key padding:
-                # the statistics take their fast paths, and the backward's record holds the small
-                # key mask instead of the model's L × S one (probe.stats.masks)
-                call = simplify(call, self.memory_budget)
-                # the record checked against what the model computed (probe.session.verify)
-                if self.verifier.verify(key, call, self.step) is not None and self.verifier.unverified(key):
-                    scales = {}  # nothing from the reconstruction: no counterfactual scale, no grad_logits
-                    fields = self.verifier.fallback_fields(call, self.saturation)
-                else:
-                    fields = forward_stats(call, scales, self.saturation, self.memory_budget, rows=rows)
+        try:
+            call, scales, fields = self._forward_fields(call, key, scales, rows)
+        except Exception as err:  # noqa: BLE001 - a record probe cannot measure is named, never fatal
+            self._warn_failed(call.site, f"probe: the attention at site {call.site!r} is NOT measured: its "
+                              f"statistics failed ({type(err).__name__}: {err}); please report the model "
+                              "(probe.coverage(model, ...) lists the site)")
+            return
         if not fields:
             return
         if isinstance(call.scale, Tensor) and scales:
@@ -256,6 +248,25 @@ class Recorder:
         self.empty_steps.forward_end(step, calls, auto, compiled)
         if self.grads and calls:
             self.grad_hooks.watch_backward(output, step)  # whether a backward ran: missing gradients named after it
+
+    def _forward_fields(self, call: AttentionCall, key: SiteKey, scales: Dict[str, Scale], rows: Optional[Tensor]
+                        ) -> Tuple[AttentionCall, Dict[str, Scale], State]:
+        """(record, scales, forward fields) of one call: from its own logits (scale unknown), from
+        the record once it is checked against the model, or from the model's own probabilities
+        when it does not match (no scale then: no counterfactual, no grad_logits)."""
+        with torch.no_grad():
+            if call.logits is not None:  # an eager softmax whose scale is unknown: `actual` only
+                return call, scales, self._unknown_scale_stats(call)
+            if call.scale_unknown is not None:
+                self._warn_unknown(call)
+            # a float mask as a boolean one, HF's (B, 1, L, S) mask as causal + key padding:
+            # the statistics take their fast paths, and the backward's record holds the small
+            # key mask instead of the model's L × S one (probe.stats.masks)
+            call = simplify(call, self.memory_budget)
+            # the record checked against what the model computed (probe.session.verify)
+            if self.verifier.verify(key, call, self.step) is not None and self.verifier.unverified(key):
+                return call, {}, self.verifier.fallback_fields(call, self.saturation)
+            return call, scales, forward_stats(call, scales, self.saturation, self.memory_budget, rows=rows)
 
     def _sample(self, site: str, length: int) -> Tensor:
         """The stratified query positions of one call (probe.stats.sampling), seeded by the site,
