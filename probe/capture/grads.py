@@ -10,8 +10,9 @@ registers (during the forward):
 * a hook on each of q, k, v that requires grad: its gradient goes to ``on_input``.
 
 Each hook only reads its gradient and returns ``None``, so gradients are unchanged. Every
-backward pass through a hooked call contributes (gradient accumulation over micro-batches,
-several ``backward(retain_graph=True)`` calls). What is computed from the gradients is the
+backward pass through a hooked call contributes, to every gradient metric alike (gradient
+accumulation over micro-batches, several ``backward(retain_graph=True)`` calls, a second-order
+pass through ``create_graph=True``). What is computed from the gradients is the
 recorder's business (:mod:`probe.session.recorder`): this module computes no statistic.
 
 Ownership: :class:`BackwardHooks` keeps every handle and removes them in
@@ -51,6 +52,16 @@ def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.detach()
 
 
+def _retains_graph() -> bool:
+    """Whether the backward pass running now keeps its graph (``retain_graph=True``,
+    ``create_graph=True``): another pass through it may come."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    try:
+        return bool(keep_graph()) if keep_graph is not None else False
+    except RuntimeError:  # not inside a backward pass
+        return False
+
+
 class _Held:
     """A tensor held weakly: its storage by a weak reference and its view by shape, strides,
     offset and dtype. :meth:`get` rebuilds the same view while anything else (the autograd
@@ -71,11 +82,13 @@ class _Held:
 
 
 class _Record:
-    """The record a logits hook computes from: held strongly until the hook first runs, which is
-    before the attention's own backward (the graph holds q, k, v then anyway), and weakly after,
-    so that q, k, v are not kept alive past that backward (a model whose q, k, v are views of
-    projection outputs frees them there: 96 MiB at (1, 8, 16384, 64)), while a
-    ``backward(retain_graph=True)`` pass, whose graph keeps them, still finds them."""
+    """The record a logits hook computes from: held strongly until the hook runs in a pass that
+    frees its graph, which is before the attention's own backward (the graph holds q, k, v then
+    anyway), and weakly after, so that q, k, v are not kept alive past that backward (a model
+    whose q, k, v are views of projection outputs frees them there: 96 MiB at (1, 8, 16384, 64)).
+    A pass with ``retain_graph=True`` keeps it strong: the next pass needs q, k, v, which the
+    graph may not hold (eager ``q @ kᵀ`` on transposed views saves reshaped copies); the hooks'
+    removal at the next step or ``close`` frees it."""
 
     __slots__ = ("strong", "weak", "rest")
 
@@ -213,7 +226,8 @@ class BackwardHooks:
             except Exception as err:  # noqa: BLE001 - a diagnostic never breaks training
                 self._warn(f"probe: grad_logits failed at {site!r}: {type(err).__name__}: {err}")
             finally:
-                held.weaken()
+                if not _retains_graph():  # another pass may come: keep q, k, v for it (eager
+                    held.weaken()         # matmul keeps reshaped copies, not these tensors)
 
         return hook
 
