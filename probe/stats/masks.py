@@ -140,6 +140,8 @@ def simplify(call: AttentionCall, budget_bytes: int = 64 * 2**20) -> AttentionCa
             value = None  # a genuine bias
             if is_mask(bias):
                 t = _as_4d(bias)
+                if t.shape[-1] == 1 and keys > 1:  # one value for every key (a per-head constant): a view
+                    t = t.expand(*t.shape[:-1], keys)
                 b, h = t.shape[:2]
                 valid_rows = _rows_of(t, length)
                 found = (_verdict(lambda r0, r1: valid_rows(r0, r1) > MASK_BIAS, call.causal, length, keys, b, h)
