@@ -38,7 +38,7 @@ from torch import Tensor
 
 from probe.capture import rules_operand, rules_products, rules_scores, rules_softmax  # noqa: F401 - registration
 from probe.capture.frontend import Emit, FrontEnd
-from probe.capture.mode import running_modules
+from probe.capture.mode import running_modules, running_site
 from probe.capture.ops import ATTENTION, FIRST, OPS, OTHER, PERMUTE, SOFTMAX, STARTS, TRANSPOSE
 from probe.capture.records import PRIORITY, Derived, Operand, Probs, Scores
 from probe.capture.rules import BEFORE, Op, find, unknown
@@ -167,8 +167,10 @@ class EagerFrontEnd(FrontEnd):
         try:
             fn(self, op)
         except Exception as err:  # noqa: BLE001 - bookkeeping must never break the model
-            self._warn_once("op", f"probe: eager attention capture skipped an op ({type(err).__name__}: {err})",
-                            stacklevel=4)
+            site = running_site()
+            self._warn_once(f"op:{site}", f"probe: eager attention capture skipped `{op.name}` at site {site!r} "
+                            f"({type(err).__name__}: {err}): an attention there may not be measured; please report "
+                            "the model", stacklevel=4)
 
     def warn(self, key: str, message: str) -> None:
         self._warn_once(key, message, stacklevel=4)

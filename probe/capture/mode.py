@@ -23,8 +23,8 @@ from probe.capture.sites import SiteStack, SitesFilter, WRAPPER_ATTRS, site_filt
 from probe.experiment.overrides import is_applying
 
 __all__ = [  # the site names are re-exported from probe.capture.sites
-    "CaptureMode", "ModuleStack", "SitesFilter", "WRAPPER_ATTRS", "in_front_end", "is_mode_active", "site_filter",
-    "site_names",
+    "CaptureMode", "ModuleStack", "SitesFilter", "WRAPPER_ATTRS", "in_front_end", "is_mode_active", "running_modules",
+    "running_site", "site_filter", "site_names",
 ]
 
 #: True while a front end handles an intercepted call. Interventions (``probe.experiment.scaling``) are then
@@ -53,6 +53,11 @@ def running_modules() -> List[nn.Module]:
     """The running modules of the innermost active capture's model, innermost first (a front end
     reads a module's declared head count there)."""
     return _ACTIVE_STACKS[-1].modules() if _ACTIVE_STACKS else []
+
+
+def running_site() -> Optional[str]:
+    """The site name of the innermost running module of the innermost active capture."""
+    return _ACTIVE_STACKS[-1].running() if _ACTIVE_STACKS else None
 
 
 def in_front_end() -> bool:

@@ -57,7 +57,8 @@ def rewrite(tracer: Any, op: Op) -> Optional[Any]:
         try:
             fire(tracer, op, record, x, out)
         except Exception as err:  # noqa: BLE001 - bookkeeping must never break the model
-            tracer.warn("op", f"probe: eager attention capture skipped an op ({type(err).__name__}: {err})")
+            tracer.warn("op", f"probe: eager attention capture skipped a softmax under probe.scaling "
+                        f"({type(err).__name__}: {err})")
     return out
 
 

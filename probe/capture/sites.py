@@ -147,6 +147,10 @@ class SiteStack:
         """The running modules of the watched model, innermost first."""
         return [entry[3] for entry in reversed(self._stack) if len(entry) > 3 and entry[3] is not None]
 
+    def running(self) -> Optional[str]:
+        """The site name of the innermost running module (``None`` outside the root's forward)."""
+        return str(self._stack[-1][1]) if self._stack else None
+
     def next_site(self) -> Tuple[str, int]:
         """(qualified name, index of this call within the module's current invocation)."""
         top: List[Any] = self._stack[-1] if self._stack else [self._root_id, "root", 0]

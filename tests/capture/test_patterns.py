@@ -927,3 +927,14 @@ def test_heads_folded_in_the_module_are_recovered_after_a_rotary() -> None:
     net, s, warned = run(core_rotary_on_folded_heads)  # no declared head count: the fold seen decides
     check(net, s, S0)
     assert not warned, warned
+
+
+def core_zero_head_bias(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    # a per-head constant (here zero: timm CaiT's talking-heads nn.Linear bias at init) added to the scores
+    return keep(m, (q @ k.transpose(-1, -2) * S0 + torch.zeros(1, H, 1, 1)).softmax(-1)) @ v
+
+
+def test_a_per_head_constant_bias_is_measured() -> None:
+    net, s, warned = run(core_zero_head_bias)
+    check(net, s, S0)
+    assert not warned, warned
