@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_flatten
 from probe.call import AttentionCall
 from probe.capture.provenance_rules import (
     _ADDMM, _MUL, _META, _NORMS, _NOT_MODELLED, _PRODUCTS, Rules, _Entry, _Source, _Use, _name, _storage_key,
+    _through,
 )
 
 __all__ = ["Pending", "Refusal", "Rows", "SiteProvenance", "Trace"]
@@ -87,11 +88,13 @@ class Rows:
 
 @dataclasses.dataclass(frozen=True)
 class SiteProvenance:
-    """Where one site's q and k come from: per query head and per kv head, the entries to scale."""
+    """Where one site's q and k come from: per query head and per kv head, the entries to scale.
+    ``kv_of``: the kv head (``k.head_of``'s numbering) each query head reads."""
 
     q: Rows
     k: Rows
     path: str
+    kv_of: Tensor
 
     def describe(self) -> str:
         return f"q: {self.q.describe()}; k: {self.k.describe()}; path: {self.path}"
@@ -120,6 +123,7 @@ class Pending:
     q_of: Tensor
     k_of: Tensor
     path: str
+    kv_of: Tensor
 
 
 class Trace(Rules, TorchFunctionMode):
@@ -140,9 +144,9 @@ class Trace(Rules, TorchFunctionMode):
         super().__init__()
         self._root = root
         self._names = names
-        self._entries: Dict[Tuple[int, str], _Entry] = {}
-        self._deps: Dict[Tuple[int, str], Tuple[StorageWeakRef, FrozenSet[int]]] = {}
-        self._why: Dict[Tuple[int, str], Tuple[StorageWeakRef, str]] = {}
+        self._entries: Dict[Tuple[int, str, int], _Entry] = {}
+        self._deps: Dict[Tuple[int, str, int], Tuple[StorageWeakRef, FrozenSet[int]]] = {}
+        self._why: Dict[Tuple[int, str, int], Tuple[StorageWeakRef, str]] = {}
         self._sources: List[_Source] = []
         self._param_uses: Dict[int, int] = {}
         self._owners: Dict[int, List[Tuple[nn.Module, str]]] = {}
@@ -186,7 +190,7 @@ class Trace(Rules, TorchFunctionMode):
             return None
         return entry
 
-    def _lookup(self, table: Dict[Tuple[int, str], Any], t: Tensor) -> Any:
+    def _lookup(self, table: Dict[Tuple[int, str, int], Any], t: Tensor) -> Any:
         key = _storage_key(t)
         found = None if key is None else table.get(key)
         return None if found is None or found[0].expired() else found[1]
@@ -198,7 +202,7 @@ class Trace(Rules, TorchFunctionMode):
         """Why the storage of ``t`` is not traced, when an op said so."""
         return self._lookup(self._why, t)
 
-    def _mark(self, table: Dict[Tuple[int, str], Any], t: Tensor, value: Any) -> None:
+    def _mark(self, table: Dict[Tuple[int, str, int], Any], t: Tensor, value: Any) -> None:
         key = _storage_key(t)
         if key is not None:
             table[key] = (StorageWeakRef(t.untyped_storage()), value)
@@ -248,7 +252,8 @@ class Trace(Rules, TorchFunctionMode):
                                           or func in _MUL):
             return out
         try:
-            self._after(func, args, kwargs, out, tensors, seen, deps)
+            with torch._C.DisableTorchFunction():  # the shadows' ops go to no mode below (the capture's)
+                self._after(func, args, kwargs, out, tensors, seen, deps)
         except Exception as err:  # noqa: BLE001 - bookkeeping never breaks the model; its sites are refused
             self.errors.append(f"{_name(func)}: {type(err).__name__}: {err}")
             for t, _, _ in seen:
@@ -311,25 +316,45 @@ class Trace(Rules, TorchFunctionMode):
             return Refusal("heads are mixed before the softmax (talking heads)")
         found = []
         for role, t in (("q", call.q), ("k", call.k)):
-            entry = self._entry(t)
-            if entry is None:
-                why = self.why(t) or "it is not a view or known copy of a projection's output"
-                return Refusal(f"{role} is not traced to one parameter's rows: {why}")
-            found.append((role, t, entry))
-        sources = {entry.source.id for _, _, entry in found}
+            traced = self._shadow(role, t, call)
+            if isinstance(traced, Refusal):
+                return traced
+            found.append((role, t, *traced))
+        sources = {entry.source.id for _, _, entry, _ in found}
         heads = {}
-        for role, t, entry in found:
+        for role, t, entry, shadow in found:
             if entry.mult & sources:
                 return Refusal(f"{role} is multiplied by a tensor computed from the site's own projections")
-            head_of = self._heads(role, t, entry)
-            if isinstance(head_of, Refusal):
-                return head_of
-            heads[role] = head_of
-        (_, _, eq), (_, _, ek) = found
-        if eq.source is ek.source and bool(((heads["q"] >= 0) & (heads["k"] >= 0)).any()):
+            grouped = self._heads(role, shadow, entry)
+            if isinstance(grouped, Refusal):
+                return grouped
+            heads[role] = grouped
+        (_, _, eq, _), (_, _, ek, _) = found
+        (q_of, _), (k_of, k_group) = heads["q"], heads["k"]
+        if eq.source is ek.source and bool(((q_of >= 0) & (k_of >= 0)).any()):
             return Refusal(f"q and k read the same entries of {eq.source.name}.{eq.source.weight}")
+        h, hk = call.q.shape[1], call.k.shape[1]
+        kv_of = k_group[torch.arange(h) // (h // hk)]  # the kv head (group of identical record heads) of each q head
         path = f"q: {' -> '.join(eq.ops)}; k: {' -> '.join(ek.ops)}"
-        return Pending(eq.source, ek.source, heads["q"], heads["k"], path)
+        return Pending(eq.source, ek.source, q_of, k_of, path, kv_of)
+
+    def _shadow(self, role: str, t: Tensor, call: AttentionCall) -> Union[Tuple[_Entry, Tensor], Refusal]:
+        """The entry and features of the recorded ``t``: read at its strides when it is a view of a
+        traced storage; else, when the front end recorded a tensor of its own (q with its factor
+        taken out, a repeated k collapsed, heads unfolded from the batch), through
+        ``call.grad_of[role]``: the model's own tensor and the linear map from it to the record."""
+        entry = self._entry(t)
+        if entry is not None:
+            return entry, entry.shadow(t)
+        own = (call.grad_of or {}).get(role)
+        if own is not None and self._entry(own[0]) is not None:
+            base = self._entry(own[0])
+            mapped = _through(own[1], base.shadow(own[0]), tuple(t.shape))
+            if mapped is not None:
+                return base, mapped
+        why = self.why(t) or (self.why(own[0]) if own is not None else None)
+        return Refusal(f"{role} is not traced to one parameter's rows: "
+                       f"{why or 'it is not a view or known copy of a projection output'}")
 
     def finish(self, pending: Union[Pending, Refusal]) -> Result:
         """Confirm a resolved site once the forward ended: every read of its rows was the
@@ -352,28 +377,39 @@ class Trace(Rules, TorchFunctionMode):
                 if self._param_uses.get(id(param), 0) > 1:
                     return Refusal(f"{source.name}.{attr} is used by {self._param_uses[id(param)]} calls in one "
                                    "forward (weights shared across layers)")
-        return SiteProvenance(self._rows(pending.q, pending.q_of), self._rows(pending.k, pending.k_of), pending.path)
+        return SiteProvenance(self._rows(pending.q, pending.q_of), self._rows(pending.k, pending.k_of), pending.path,
+                              pending.kv_of)
 
     def _rows(self, source: _Source, head_of: Tensor) -> Rows:
         return Rows(source.module, source.name, source.weight, source.bias, source.layout, source.features, head_of)
 
-    def _heads(self, role: str, t: Tensor, entry: _Entry) -> Union[Tensor, Refusal]:
-        """For ``t`` ``(B, H, n, d)``: the head of each source feature (-1: none), closed over the
-        features mixed with them (rotary pairs)."""
-        shadow = entry.shadow(t)
+    def _heads(self, role: str, shadow: Tensor, entry: _Entry) -> Union[Tuple[Tensor, Tensor], Refusal]:
+        """For the features ``shadow`` of a ``(B, H, n, d)`` record: the head of each source feature
+        (-1: none), closed over the features mixed with them (rotary pairs), and the head of each
+        record head. Record k heads reading the very same features are one kv head (a k repeated
+        per query head: ``repeat_interleave``, a broadcast); otherwise a feature read by two
+        heads is refused."""
         what = f"{entry.source.name}.{entry.source.weight}"
         if bool((shadow < 0).any()):
             return Refusal(f"part of {role} is not a multiple of entries of {what}")
-        heads, features = t.shape[1], entry.source.features
-        codes = torch.unique(shadow.transpose(0, 1).reshape(heads, -1) + torch.arange(heads).unsqueeze(1) * features)
-        head, feature = codes // features, codes % features
+        heads, features = shadow.shape[1], entry.source.features
+        sets = [torch.unique(shadow[:, h]) for h in range(heads)]
+        group = list(range(heads))
+        if role == "k":  # identical record heads: copies of one kv head
+            for h in range(heads):
+                group[h] = next(g for g in range(h + 1) if torch.equal(sets[g], sets[h]))
+        distinct = sorted(set(group))
+        index = {g: i for i, g in enumerate(distinct)}
+        feature = torch.cat([sets[g] for g in distinct])
         if torch.unique(feature).numel() != feature.numel():
             return Refusal(f"an entry of {what} feeds several {role} heads (a QK-norm gain shared by every head "
                            "cannot clip one head)")
         head_of = torch.full((features,), -1, dtype=torch.long)
-        head_of[feature] = head
+        for g in distinct:
+            head_of[sets[g]] = index[g]
+        of_record = torch.tensor([index[g] for g in group], dtype=torch.long)
         if not entry.source.pairs:
-            return head_of
+            return head_of, of_record
         pairs = torch.cat(entry.source.pairs)
         while True:  # rotations mix features within a head: the mixed features belong to it
             a, b = head_of[pairs[:, 0]], head_of[pairs[:, 1]]
@@ -381,7 +417,7 @@ class Trace(Rules, TorchFunctionMode):
                 return Refusal(f"an op mixes entries of {what} across {role} heads")
             grow = (a >= 0) != (b >= 0)
             if not bool(grow.any()):
-                return head_of
+                return head_of, of_record
             head_of[pairs[grow & (a >= 0), 1]] = a[grow & (a >= 0)]
             head_of[pairs[grow & (b >= 0), 0]] = b[grow & (b >= 0)]
 
@@ -406,3 +442,4 @@ class Trace(Rules, TorchFunctionMode):
             return Refusal(f"the rows of q or k are read by {len(events)} ops ({ops}), "
                            "not only by the attention call")
         return None
+

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from probe.capture import ops
+
 __all__ = ["Rules"]
 
 _TB = torch._C.TensorBase
@@ -38,24 +40,23 @@ def _funcs(names: str, *extra: Callable[..., Any]) -> FrozenSet[Callable[..., An
     return frozenset([*methods, *extra])
 
 
+# The kinds of the op vocabulary (probe.capture.ops, shared with the eager tracer and the audit),
+# every spelling included (``x * c``, ``x.mul(c)``, ``torch.mul``, ``x *= c``), plus a few
+# functions the vocabulary leaves as OTHER that move elements without changing them.
 #: Value-preserving copies: each element keeps its feature.
-_SAME = _funcs("float half bfloat16 double to type type_as contiguous clone neg __neg__ positive __pos__",
-               torch.neg, torch.clone, torch.positive, F.dropout, torch.dropout)
+_SAME = ops.funcs_of(ops.CAST, ops.DROPOUT, ops.NEG) | _funcs("positive __pos__", torch.positive)
 #: Copies that move elements: the same op runs on the shadow (data arguments replaced by shadows).
-_MOVE = _funcs("reshape flatten unflatten repeat repeat_interleave __getitem__ index_select flip roll tile "
-               "narrow select expand expand_as movedim transpose permute squeeze unsqueeze view view_as",
-               torch.reshape, torch.flatten, torch.repeat_interleave, torch.index_select, torch.flip, torch.roll,
-               torch.tile, torch.narrow, torch.select, torch.movedim, torch.transpose, torch.permute,
-               torch.squeeze, torch.unsqueeze)
+_MOVE = ops.funcs_of(ops.VIEW, ops.TRANSPOSE, ops.PERMUTE, ops.EXPAND, ops.INDEX) \
+    | _funcs("flip roll index_select", torch.flip, torch.roll, torch.index_select)
 #: Copies of several tensors along a dim: every tensor of the first argument is data.
-_JOIN = _funcs("", torch.cat, torch.concat, torch.concatenate, torch.stack)
-_MUL = _funcs("mul __mul__ __rmul__", torch.mul)
-_DIV = _funcs("div __truediv__ true_divide", torch.div, torch.true_divide)
-_ADD = _funcs("add __add__ __radd__", torch.add)
-_SUB = _funcs("sub __sub__", torch.sub)
-_SCALE_INPLACE = _funcs("mul_ __imul__ div_ __itruediv__ neg_")
-_ASSIGN = _funcs("__setitem__ copy_")
-_PRODUCTS = _funcs("matmul __matmul__ mm", torch.matmul, torch.mm)
+_JOIN = ops.funcs_of(ops.JOIN)
+_MUL = ops.funcs_of(ops.MUL)
+_DIV = ops.funcs_of(ops.DIV)
+_ADD = ops.funcs_of(ops.ADD)
+_SUB = ops.funcs_of(ops.SUB)
+_SCALE_INPLACE = ops.funcs_of(ops.MUL, ops.DIV, ops.NEG)  # only where the op changed its input in place
+_ASSIGN = ops.funcs_of(ops.SETITEM, ops.COPY)
+_PRODUCTS = ops.funcs_of(ops.PRODUCT) | _funcs("mm", torch.mm)
 _ADDMM = _funcs("addmm", torch.addmm)
 _NORMS = frozenset(f for f in (F.layer_norm, getattr(F, "rms_norm", None)) if f is not None)
 #: Functions that read metadata only (shape, strides, dtype): not a use of the values.
@@ -136,12 +137,14 @@ def _modular(shape: Tuple[int, ...], stride: Tuple[int, ...], offset: int, modul
 
 
 
-def _storage_key(t: Tensor) -> Optional[Tuple[int, str]]:
+def _storage_key(t: Tensor) -> Optional[Tuple[int, str, int]]:
+    """A storage as read by ``t``: its memory and the size of an element (a complex view of a
+    float storage has shadows of its own, one per complex element)."""
     try:
         ptr = t.untyped_storage().data_ptr()
     except Exception:  # noqa: BLE001 - a tensor without plain storage (meta, a subclass)
         return None
-    return (ptr, str(t.device)) if ptr else None
+    return (ptr, str(t.device), t.element_size()) if ptr else None
 
 
 def _name(func: Any) -> str:
@@ -251,6 +254,17 @@ class Rules:
         ops = max((e.ops for _, e, _ in seen), key=len)
         first = args[0] if args else None
         head = self._entry(first)
+        if func is torch.view_as_complex and head is not None:  # Meta's reference rotary: pairs become one value
+            pair = head.shadow(first)
+            re, im = pair[..., 0], pair[..., 1]
+            both = torch.stack([re.reshape(-1), im.reshape(-1)], 1)
+            source.pairs.append(torch.unique(both[(both >= 0).all(1)], dim=0))
+            self._put(out, source, torch.where((re >= 0) & (im >= 0), re, -1), mult, ops + (name,))
+            return None
+        if func is torch.view_as_real and head is not None:
+            value = head.shadow(first)
+            self._put(out, source, value.unsqueeze(-1).expand(*value.shape, 2), mult, ops + (name,))
+            return None
         if func in _SAME and head is not None and out.shape == first.shape:
             self._put(out, source, head.shadow(first), mult, ops + (name,))
             return None
@@ -321,3 +335,24 @@ class Rules:
                 self._poison(t, f"changed in place by {name}")
         for t in tensors:
             self._mark(self._deps, t, self._dep(t) | deps)
+
+
+def _through(fn: Any, shadow: Tensor, shape: Tuple[int, ...]) -> Optional[Tensor]:
+    """The features of a record made from a traced tensor by a linear map ``fn`` (a reshape, a
+    permutation, a factor, a sum over repeated copies: the gradient map of ``AttentionCall.grad_of``),
+    or ``None`` when an element of the record is not a multiple of one feature. Exact: with
+    ``m = fn(1)``, an element is one feature ``f`` iff ``fn(s)/m = f`` and ``fn(s²)/m = f²``
+    (a mix of features has a mean of squares above its squared mean), in float64."""
+    s = shadow.double()
+    try:
+        with torch.no_grad():
+            m, a, b = fn(torch.ones_like(s)), fn(s), fn(s * s)
+    except Exception:  # noqa: BLE001 - a map that does not take this tensor: not traced
+        return None
+    if tuple(m.shape) != shape or not bool((m != 0).all()):
+        return None
+    f = a / m
+    r = f.round()
+    if not (bool(((f - r).abs() <= 1e-6).all()) and bool(((b / m - r * r).abs() <= 1e-6 * (1 + r * r)).all())):
+        return None
+    return r.long()

@@ -27,7 +27,7 @@ the head. Such heads keep their weights and are reported.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
+from typing import Dict, List, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -44,16 +44,20 @@ def gamma(top: Tensor, tau: float) -> Tensor:
     return torch.where(clip, tau / torch.where(clip, top, 1.0), 1.0)
 
 
-def factors(top: Tensor, tau: float, kv_heads: int) -> Tuple[Tensor, Tensor, Tensor]:
+def factors(top: Tensor, tau: float, kv_of: Union[int, Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """``(γ, a, b)``: the logit factor per query head, the query factor ``a`` per query head and the
-    key factor ``b`` per kv head (query head ``h`` reads kv head ``h // (H // kv_heads)``), with
-    ``a_h·b_g = γ_h`` (see the module docstring). Exactly ``1.0`` where nothing is clipped."""
+    key factor ``b`` per kv head, with ``a_h·b_g = γ_h`` (see the module docstring). ``kv_of``: the
+    kv head each query head reads (a tensor), or the number of kv heads (query head ``h`` then
+    reads ``h // (H // kv_heads)``). Exactly ``1.0`` where nothing is clipped."""
     g = gamma(top, tau)
     heads = g.shape[0]
-    group = heads // kv_heads
-    b = g.view(kv_heads, group).amax(1).sqrt()  # exactly 1 where a head of the group is not clipped
-    a = g / b.repeat_interleave(group)
-    a = torch.where(g == 1.0, 1.0, a)  # exactly 1 (b is 1 when g is)
+    if isinstance(kv_of, int):
+        kv_of = torch.arange(heads, device=g.device) // (heads // kv_of)
+    kv_of = kv_of.to(g.device)
+    groups = int(kv_of.max()) + 1 if heads else 0
+    # exactly 1 where a head of the group is not clipped (sqrt(1) = 1)
+    b = torch.zeros(groups, device=g.device).scatter_reduce(0, kv_of, g, "amax", include_self=False).sqrt()
+    a = torch.where(g == 1.0, 1.0, g / b[kv_of])
     return g, a, b
 
 

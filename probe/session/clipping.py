@@ -246,13 +246,12 @@ class Clipping:
         for key, top in tops.items():
             if key not in self._heads:
                 continue  # a site another rank saw: its values only
-            _, kv_heads = self._heads[key]
-            g, a, b = factors(top, self.tau, kv_heads)
             found = None if key in self._unverified else self.sites.get(key)
-            if isinstance(found, SiteProvenance):
+            if isinstance(found, SiteProvenance) and found.kv_of.numel() == top.shape[0]:
+                g, a, b = factors(top, self.tau, found.kv_of)
                 scale_site(found, a, b)
             else:
-                g = torch.ones_like(g)  # refused (or not traced yet): nothing scaled
+                g = torch.ones_like(top)  # refused (or not traced yet): nothing scaled
             bad.append((key, (torch.isnan(top) | (top == float("inf"))).any()))
             if self.records:
                 self._record(key, step, top, g)
