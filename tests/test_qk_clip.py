@@ -154,7 +154,7 @@ def test_grouped_kv_heads_every_query_head_of_a_group_lands_at_or_below_tau(kv_h
 
 def test_factors_split_gamma_between_query_and_shared_key():
     top = torch.tensor([200.0, 50.0, 400.0, 300.0, float("nan"), float("inf")])
-    g, a, b = factors(top, 100.0, kv_heads=3)
+    g, a, b = factors(top, 100.0, 3)
     assert g.tolist()[:4] == pytest.approx([0.5, 1.0, 0.25, 1 / 3])
     assert g[4] == 1.0 and g[5] == 1.0  # non-finite: never a reason to scale
     assert b[0] == 1.0 and a[0] == pytest.approx(0.5) and a[1] == 1.0  # group 0 has an unclipped head
@@ -350,3 +350,11 @@ def test_a_forgotten_clip_keeps_no_model_alive():
     assert model() is None and p() is None
     from torch.optim.optimizer import _global_optimizer_post_hooks
     assert not _global_optimizer_post_hooks
+
+
+def test_factors_follow_any_grouping_of_query_heads_onto_kv_heads():
+    # a k repeated per query head (repeat_interleave) is one kv head per group whatever the record says
+    top = torch.tensor([200.0, 400.0, 50.0, 300.0])
+    g, a, b = factors(top, 100.0, torch.tensor([0, 1, 0, 1]))
+    assert b[0] == 1.0 and b[1] == pytest.approx(math.sqrt(1 / 3))
+    torch.testing.assert_close(a * b[torch.tensor([0, 1, 0, 1])], g)

@@ -51,7 +51,7 @@ def ranks(tmp_path_factory):
 def _reference():
     m = worker.model()
     top = torch.maximum(_max_logits(m, worker.batch(0)), _max_logits(m, worker.batch(1)))
-    _, a, b = factors(top.float(), worker.TAU, kv_heads=2)
+    _, a, b = factors(top.float(), worker.TAU, 2)
     with torch.no_grad():
         for h in range(4):
             m.q.weight[h * 8:(h + 1) * 8] *= a[h]

@@ -43,6 +43,16 @@ def _hf(name: str, attn: str) -> Tuple[nn.Module, Dict[str, Any], Callable[[nn.M
                                      intermediate_size=64, max_position_embeddings=64, attn_implementation=attn))
         inputs = {"input_ids": torch.randint(0, 64, (2, 9)),
                   "attention_mask": torch.tensor([[1] * 9, [1] * 6 + [0] * 3])}
+    elif name == "olmo2":  # QK-norm over all heads' features: a gain entry per head and feature
+        from transformers import Olmo2Config, Olmo2ForCausalLM
+        model = Olmo2ForCausalLM(Olmo2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                                             bos_token_id=1, eos_token_id=2, attn_implementation=attn))
+        with torch.no_grad():  # the gains (initialised at 1) spread, as after training
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.copy_(torch.rand(norm.weight.shape) * 6)
+        inputs = {"input_ids": torch.randint(0, 64, (2, 9)), "use_cache": False}
     else:
         from transformers import ViTConfig, ViTModel
         model = ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -70,7 +80,7 @@ def _attention_modules(model: nn.Module) -> Dict[str, nn.Module]:
     for name, m in model.named_modules():
         cls = type(m).__name__
         if cls in ("LlamaAttention", "GPT2Attention", "BertSelfAttention", "ViTAttention", "Attention",
-                   "NanoAttention"):
+                   "NanoAttention", "Olmo2Attention"):
             keep[name] = m
     return keep
 
@@ -90,7 +100,7 @@ def _tau(tops: Dict[str, torch.Tensor]) -> float:
     return float(values[i] + values[i + 1]) / 2
 
 
-CASES = [("llama", a) for a in ("sdpa", "eager")] + [("gpt2", a) for a in ("sdpa", "eager")] \
+CASES = [("llama", a) for a in ("sdpa", "eager")] + [("olmo2", a) for a in ("sdpa", "eager")] + [("gpt2", a) for a in ("sdpa", "eager")] \
     + [("bert", a) for a in ("sdpa", "eager")] + [("vit", a) for a in ("sdpa", "eager")] \
     + [("timm", a) for a in ("sdpa", "eager")] + [("nanogpt", a) for a in ("sdpa", "eager")]
 
@@ -135,7 +145,7 @@ def test_clipped_heads_land_on_tau_others_untouched(family, attn):
     for n, w in weights.items():
         changed = not torch.equal(dict(model.named_parameters())[n], w)
         if changed:
-            assert any(s in n for s in ("q_proj", "k_proj", "c_attn", "query", "key", "qkv")), n
+            assert any(s in n for s in ("q_proj", "k_proj", "c_attn", "query", "key", "qkv", "q_norm", "k_norm")), n
     summary = p.summary()
     sites = summary.sites
     assert len(sites) == len(modules)

@@ -117,6 +117,7 @@ X = torch.randn(2, 5, D)
     ("plain", "q: q.weight rows and bias entries (2 heads x 8); k: k.weight rows and bias entries"),
     ("factor", "path: q: linear -> mul by tensor; k: linear"),
     ("per_head_gain", "q: q_gain.weight gain entries (2 heads x 8); k: k_gain.weight gain entries"),
+    ("complex_rotary", "q: linear -> view_as_complex -> mul by tensor -> view_as_real; k: linear"),
 ])
 def test_accepted_layouts_name_what_is_scaled(how, expect):
     torch.manual_seed(0)
@@ -140,7 +141,6 @@ def test_conv1d_columns_and_transposed_weight_rows(transposed, what):
     ("tied", "used by 2 calls in one forward"),
     ("reused", "read by 2 ops"),
     ("clamp", "clamp is not modelled"),
-    ("complex_rotary", "not traced"),
 ])
 def test_refusals_name_the_reason(how, reason):
     torch.manual_seed(0)
@@ -193,3 +193,50 @@ def test_trace_leaves_outputs_and_gradients_bitwise_unchanged():
                 out2 = model(x)
                 out2.sum().backward()
         assert torch.equal(out2, want) and torch.equal(x.grad, grad), how
+
+
+class Interleaved(nn.Module):
+    """GPT-NeoX's fused layout: one projection viewed as (B, L, H, 3·d), q, k, v per head side by side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, n, _ = x.shape
+        qkv = self.qkv(x).view(bsz, n, H, 3 * DH)
+        q, k, v = (t.transpose(1, 2) for t in qkv.split(DH, dim=-1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(bsz, n, D)
+
+
+def test_interleaved_fused_qkv_clips_each_heads_own_rows():
+    torch.manual_seed(0)
+    model = Interleaved()
+    with torch.no_grad():
+        model.qkv.weight.mul_(8)
+    x = torch.randn(2, 5, D)
+    weight = model.qkv.weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with probe.watch(model, qk_clip=1e-3, every=None) as p:  # every head clipped
+            model(x).sum().backward()
+            torch.optim.SGD(model.parameters(), lr=0.0).step()
+    assert p.summary().info("root")["qk_clip"].startswith("q: qkv.weight rows and bias entries (2 heads x 8)")
+    changed = (model.qkv.weight != weight).any(1).view(H, 3, DH)  # rows per head: q, k, v
+    assert changed[:, :2].all() and not changed[:, 2].any()  # q and k rows of both heads, never v
+
+
+def test_qwen3_qk_norm_over_head_dim_is_refused():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, attn_implementation="sdpa"))
+    ids = torch.randint(0, 64, (2, 7))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with probe.watch(model, qk_clip=1e-3, every=None) as p:
+            model(input_ids=ids, use_cache=False).logits.sum().backward()
+            torch.optim.SGD(model.parameters(), lr=0.0).step()
+    found = p.summary().info("model.layers.0.self_attn")["qk_clip"]
+    assert found.startswith("refused: an entry of model.layers.0.self_attn.q_norm.weight feeds several q heads"), found
