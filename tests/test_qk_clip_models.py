@@ -100,7 +100,8 @@ def _tau(tops: Dict[str, torch.Tensor]) -> float:
     return float(values[i] + values[i + 1]) / 2
 
 
-CASES = [("llama", a) for a in ("sdpa", "eager")] + [("olmo2", a) for a in ("sdpa", "eager")] + [("gpt2", a) for a in ("sdpa", "eager")] \
+CASES = [("llama", a) for a in ("sdpa", "eager")] + [("olmo2", a) for a in ("sdpa", "eager")] \
+    + [("gpt2", a) for a in ("sdpa", "eager")] \
     + [("bert", a) for a in ("sdpa", "eager")] + [("vit", a) for a in ("sdpa", "eager")] \
     + [("timm", a) for a in ("sdpa", "eager")] + [("nanogpt", a) for a in ("sdpa", "eager")]
 

@@ -12,7 +12,7 @@ starts with ``refused:``) must keep every weight bit for bit.
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List
+from typing import Dict
 
 import pytest
 import torch
