@@ -74,7 +74,7 @@ def test_tables_and_terminal_show_names_escaped(tmp_path, capsys):
     table = acc.Tensors("probe.sites/text_summary")[-1].tensor_proto.string_val[0].decode()
     rows = [line for line in table.splitlines() if line.startswith("| ") and "sdpa" in line]
     assert len(rows) == len(NAMES)  # the newline did not split a row
-    assert all(row.count(" | ") == 6 for row in rows)  # `|` escaped as `\|`
+    assert all(row.count(" | ") == 8 for row in rows)  # `|` escaped as `\|` (9 columns: verified, not measured)
     assert "| pipe\\|name |" in table and "new\\nline" in table and "\x1b" not in table
 
     assert main(["report", str(tmp_path)]) == 0
