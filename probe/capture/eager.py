@@ -39,7 +39,7 @@ from torch import Tensor
 from probe.capture import rules_operand, rules_products, rules_scores, rules_softmax  # noqa: F401 - registration
 from probe.capture.frontend import Emit, FrontEnd
 from probe.capture.mode import running_modules, running_site
-from probe.capture.ops import ATTENTION, FIRST, OPS, OTHER, PERMUTE, SOFTMAX, STARTS, TRANSPOSE
+from probe.capture.ops import ATTENTION, DIV, FIRST, MUL, OPS, OTHER, PERMUTE, SOFTMAX, STARTS, TRANSPOSE, VIEW
 from probe.capture.records import PRIORITY, Derived, Operand, Probs, Scores
 from probe.capture.rules import BEFORE, Op, find, unknown
 from probe.capture.rules_softmax import rewrite
@@ -60,6 +60,10 @@ def _version(t: Tensor) -> int:
         return t._version
     except RuntimeError:
         return -1
+
+
+def _scalar(a: Any) -> bool:
+    return (isinstance(a, (int, float)) and not isinstance(a, bool)) or (isinstance(a, Tensor) and a.numel() == 1)
 
 
 def _keeps_dim0(kind: str, args: Tuple[Any, ...]) -> bool:
@@ -101,6 +105,11 @@ class EagerFrontEnd(FrontEnd):
         kind = OPS.get(func, OTHER)
         if kind in (TRANSPOSE, PERMUTE):
             return _keeps_dim0(kind, args)
+        if kind == VIEW:  # only a fold of heads into the batch or a repeat_kv starts a record: from >= 4-D
+            x = args[0] if args else None
+            return not (isinstance(x, Tensor) and x.dim() >= 4)
+        if kind in (MUL, DIV):  # only a scalar factor starts one (a product of two plain tensors does not)
+            return not any(_scalar(a) for a in args[:2])
         return kind not in STARTS
 
     def watching(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], func: Any = None) -> bool:
