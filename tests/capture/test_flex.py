@@ -125,6 +125,7 @@ def test_flex_metrics_match_reference_at_every_scale(name):
     s = _run(Model(**kwargs), q, k, v)
     actual = kwargs.get("scale", 1 / math.sqrt(D))
     assert s.info("attn")["scale"] == pytest.approx(actual)
+    assert s.info("attn")["verified"] is True  # its output matched P·v (issue 25's check)
     bias = _rel_bias_plain() if has_bias else None
     _check(s, q, k, _valid(rule), bias, {"actual": actual, "unscaled": 1.0, "standard": D ** -0.5})
 
