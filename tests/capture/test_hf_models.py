@@ -181,6 +181,7 @@ def test_eager_and_sdpa_same_sites_scales_and_metrics(name):
         assert eager.info(site)["kv_heads"] == kv and sdpa.info(site)["kv_heads"] in (kv, 4)
         for s in (eager, sdpa):
             assert s.info(site)["scale"] == pytest.approx(expected_scale(name, i % 2), rel=1e-7), site
+            assert s.info(site)["verified"] is True, (site, s.info(site))  # against the model (issue 25)
         for metric in METRICS:
             for scale in SCALES:
                 np.testing.assert_allclose(eager.value(site, metric, scale), sdpa.value(site, metric, scale),
