@@ -227,27 +227,46 @@ def head_mix(root: Scores, m: Tensor) -> Optional[Scores]:
     """The record of ``Σ_h M_hg · Z_h`` (heads mixed before the softmax: talking heads), ``Z`` the
     4-D scores ``root`` describes: ``q'_g = [M_1g·q_1, ..., M_Hg·q_H]``, ``k'_g = [k_1, ..., k_H]``
     (so ``q'_g·k'_g = Σ_h M_hg·q_h·k_h``: the mix scales with σ like the scores), the bias mixed
-    alike. ``None`` when the record cannot be mixed (masked, capped, a per-head scale, an
-    unknown op), then the scale is unknown."""
-    if root.unknown or root.tanh or root.softcap is not None or root.masks or root.scale_t is not None:
-        return None
-    if len(root.biases) > 1:  # each term's masked keys would be lost in the mix
+    alike. A mask shared by every head (a boolean one, or an additive term with one value for all
+    heads: padding, causal, Swin's windows) masks the same keys after the mix and is kept as a
+    boolean mask; the mixed values there are never read. ``None`` when the record cannot be mixed
+    (a mask that differs between heads, a soft cap, a per-head scale, an unknown op): then the
+    scale is unknown."""
+    if root.unknown or root.tanh or root.softcap is not None or root.scale_t is not None:
         return None
     if root.ndim != 4 or root.mix is not None or m.dim() != 2 or m.shape[0] != root.q.shape[1]:
         return None
     b, h, length, d = root.q.shape
+
+    def shared(t: Tensor) -> bool:  # one value for every head of a (B, H, L, S)-broadcastable tensor
+        return t.dim() < 3 or t.shape[-3] == 1
+
+    valid: Optional[Tensor] = None
+    for mask, invert, layout, fill in root.masks:
+        keep = lift(~mask if invert else mask, layout, root)
+        if fill is not None:
+            keep = keep | (fill > MASK_FILL)
+        if not shared(keep):
+            return None
+        valid = keep if valid is None else valid & keep
     with torch.no_grad():  # q', k' are not the model's tensors: their gradients come from q, k
         m = m.detach().to(root.q.dtype)
         k = root.k if root.k.shape[1] == h else root.k.repeat_interleave(h // root.k.shape[1], dim=1)
         q2 = torch.einsum("hg,bhld->bglhd", m, root.q.detach()).reshape(b, m.shape[1], length, h * d)
         k2 = k.detach().transpose(1, 2).reshape(k.shape[0], 1, k.shape[2], h * d)
         k2 = k2.expand(k2.shape[0], m.shape[1], *k2.shape[2:])
-        biases: Tuple[Tuple[Tensor, float, int], ...] = ()
-        if root.biases:
-            call = to_call(root, root.q)  # the summed, lifted bias
-            if call.bias is not None:
-                bias = call.bias.expand(b, h, *call.bias.shape[-2:])
-                biases = ((torch.einsum("bhls,hg->bgls", bias, m.to(bias.dtype)), 1.0, 4),)
+        biases: Tuple[Tuple[Tensor, float, Any], ...] = ()
+        total: Optional[Tensor] = None
+        for t, coeff, layout in root.biases:
+            term = lift(t, layout, root)
+            term = term if coeff == 1.0 else term * coeff
+            if shared(term):
+                valid = (term > MASK_BIAS) if valid is None else valid & (term > MASK_BIAS)
+            total = term if total is None else total + term
+        if total is not None:
+            total = total.expand(b, h, *total.shape[-2:]) if total.dim() == 4 else total.expand(b, h, length, -1)
+            biases = ((torch.einsum("bhls,hg->bgls", total, m.to(total.dtype)), 1.0, 4),)
+    masks = () if valid is None else ((valid, False, 4, None),)
     # grad_q / grad_k: those of the model's own q and k, per head before the mix (when the mix keeps H
     # heads); under grouped kv heads each query head gets the gradient of the kv head it reads
     own = {n: (t, f) for n, t, f in root.grad_of}
@@ -257,7 +276,8 @@ def head_mix(root: Scores, m: Tensor) -> Optional[Scores]:
         t, f = own.get("k", (root.k, None))
         groups = h // root.k.shape[1]
         grad_of += (("k", t, lambda g, f=f, n=groups: (g if f is None else f(g)).repeat_interleave(n, dim=1)),)
-    return dataclasses.replace(root, q=q2, k=k2, biases=biases, grad_of=grad_of, merged=None, head_dim=d, mix=(root, m, len(biases)),
+    return dataclasses.replace(root, q=q2, k=k2, biases=biases, masks=masks, grad_of=grad_of, merged=None, head_dim=d,
+                               mix=(root, m, len(biases)),
                                scale_from=(root.scale_from + "; " if root.scale_from else "") + "heads mixed before "
                                "the softmax")
 

@@ -133,7 +133,7 @@ def draw(seed: int) -> Spec:
     if flat or c["layout"] == "windows":
         c["per_head"], c["mix"] = "no", "none"
     if c["mix"] != "none":
-        c["per_head"], c["softcap"], c["order"] = "no", "none", "bias_first"
+        c["per_head"], c["softcap"] = "no", "none"
     if not (c["layout"] == "bhld" and c["product"] in ("at", "matmul_mT") and c["kv"] == "mha"
             and c["rotary"] == "none"):
         c["kform"] = "k"
@@ -363,7 +363,7 @@ class Program(nn.Module):
         elif spec.bias == "alibi":
             i = torch.arange(n, dtype=scores.dtype)
             bias = -self.slopes * (i[None, :] - i[:, None]).abs()
-        steps = ["bias", "mix", "mask"] if spec.order == "bias_first" else ["mask", "bias"]
+        steps = ["bias", "mix", "mask"] if spec.order == "bias_first" else ["mask", "bias", "mix"]
         for step in steps:
             if step == "bias" and bias is not None:
                 scores = scores + (self._rows(bias) if spec.flat else bias)
@@ -389,7 +389,7 @@ class Program(nn.Module):
         """Heads mixed before the softmax; (scores, M (H, G), the mix's own bias)."""
         h = self.spec.heads
         g = torch.Generator().manual_seed(self.spec.seed + 7)
-        w = torch.eye(h) + 0.3 * torch.randn(h, h, generator=g)
+        w = torch.eye(h) + 0.3 * torch.rand(h, h, generator=g)  # positive: masked logits stay masked
         if self.spec.mix == "linear":  # an nn.Linear(H, H) over the heads, made last by a permutation
             lb = 0.1 * torch.randn(h, generator=g)
             return F.linear(s.permute(0, 2, 3, 1), w, lb).permute(0, 3, 1, 2), w.t(), lb

@@ -399,9 +399,32 @@ def test_a5_talking_heads_are_measured_at_every_scale(core) -> None:
 
 
 def core_talking_heads_masked(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    sim = (q @ k.transpose(-1, -2) * S0).masked_fill(torch.ones(L, L).triu(1).bool(), float("-inf"))
-    sim = torch.einsum("bhij,hg->bgij", sim, MIX)  # masked entries mixed: not describable
+    mask = torch.zeros(H, L, L, dtype=torch.bool)
+    mask[0] = torch.ones(L, L).triu(1).bool()  # head 0 causal, head 1 not: the heads disagree
+    sim = (q @ k.transpose(-1, -2) * S0).masked_fill(mask, -1e9)
+    sim = torch.einsum("bhij,hg->bgij", sim, MIX)  # entries masked in one head mixed into others: not describable
     return keep(m, sim.softmax(-1)) @ v
+
+
+def core_talking_heads_after_a_shared_mask(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    pad = torch.zeros(B, 1, 1, L, dtype=torch.bool)
+    pad[1, ..., -1] = True  # the same keys for every head
+    sim = (q @ k.transpose(-1, -2) * S0).masked_fill(pad, -1e9)
+    m.valid = ~pad
+    return keep(m, torch.einsum("bhij,hg->bgij", sim, MIX).softmax(-1)) @ v
+
+
+def test_a5_a_mask_shared_by_the_heads_survives_the_mix() -> None:
+    net, s, warned = run(core_talking_heads_after_a_shared_mask, grads=False)
+    assert not warned, warned
+    for name, block in zip(s.sites, net.blocks):
+        q, k = block.raw
+        mixed = torch.einsum("bhij,hg->bgij", q @ k.transpose(-1, -2), MIX.double())
+        valid = block.valid.expand(B, H, L, L)
+        assert s.info(name)["scale"] == pytest.approx(S0)
+        np.testing.assert_allclose(s.value(name, "logit_var", "unscaled"), _pooled_var(mixed, valid), rtol=1e-4)
+        np.testing.assert_allclose(s.value(name, "entropy"), entropy_ref(block.probs, block.valid), rtol=1e-5,
+                                   atol=1e-6)
 
 
 def test_a5_a_mix_probe_cannot_describe_is_reported_at_actual_with_a_warning() -> None:
