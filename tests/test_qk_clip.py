@@ -358,3 +358,8 @@ def test_factors_follow_any_grouping_of_query_heads_onto_kv_heads():
     g, a, b = factors(top, 100.0, torch.tensor([0, 1, 0, 1]))
     assert b[0] == 1.0 and b[1] == pytest.approx(math.sqrt(1 / 3))
     torch.testing.assert_close(a * b[torch.tensor([0, 1, 0, 1])], g)
+
+
+def test_a_compiled_model_is_refused_at_watch():
+    with pytest.raises(ProbeError, match="qk_clip measures every training forward in eager mode"):
+        probe.watch(torch.compile(Toy()), qk_clip=100.0)
