@@ -20,9 +20,10 @@ from probe.capture.records import Operand, Scores
 __all__ = ["MASK_BIAS", "MASK_FILL", "factor", "grad_map", "head_mix", "heads_of", "lift", "number", "permuted",
            "prescale_factor", "repeat_kv", "rescaled", "reshaped", "scaled", "to_call", "unfold"]
 
-#: A fill value at or below this masks an entry (``exp`` of it underflows to 0 in float32).
+#: A floor at or below this only touches masked entries (``torch.max(scores, finfo.min)``).
 MASK_FILL = -1e4
-#: An additive bias at or below this masks its key (``AttentionCall``'s rule, ``probe.stats.chunks.MASK_BIAS``).
+#: An additive bias, or a fill value, at or below this masks its key (``AttentionCall``'s rule,
+#: ``probe.stats.chunks.MASK_BIAS``: its weight ``e^-100`` vanishes).
 MASK_BIAS = -100.0
 
 
@@ -122,9 +123,10 @@ def scaled(node: Scores, f: Any) -> Scores:
     if node.softcap is not None or (node.biases and node.ndim < 4):
         return dataclasses.replace(node, unknown="a tensor factor after a soft cap, or after a bias on scores with "
                                    "their heads folded into the batch")
-    # a per-head factor after a bias scales the bias per head: f_h · (σR + A) = (f_h σ)R + f_h A
+    # a per-head factor after a bias scales the bias per head: f_h · (σR + A) = (f_h σ)R + f_h A (the bias
+    # lifted to (B, H, L, S) first: one added to a (B·H, L, S) layout before a view to 4-D)
     per_head = f.reshape(-1, 1, 1)
-    biases = tuple((t * per_head.to(t.dtype) if isinstance(t, Tensor) else t, c, n) for t, c, n in node.biases)
+    biases = tuple((lift(t, n, node) * per_head.to(t.dtype), c, 4) for t, c, n in node.biases)
     scale_t = f if node.scale_t is None else node.scale_t * f
     return dataclasses.replace(node, scale_t=scale_t, biases=biases)
 
@@ -212,7 +214,7 @@ def to_call(node: Scores, logits: Tensor) -> AttentionCall:
     for m, invert, layout, fill in node.masks:
         keep = ~m if invert else m
         if fill is not None:  # a tensor fill value masks only when it is very negative
-            keep = keep | (fill > MASK_FILL)
+            keep = keep | (fill > MASK_BIAS)
         keep = lift(keep, layout, node)
         valid = keep if valid is None else valid & keep
     scale: Any = node.scale
@@ -245,7 +247,7 @@ def head_mix(root: Scores, m: Tensor) -> Optional[Scores]:
     for mask, invert, layout, fill in root.masks:
         keep = lift(~mask if invert else mask, layout, root)
         if fill is not None:
-            keep = keep | (fill > MASK_FILL)
+            keep = keep | (fill > MASK_BIAS)
         if not shared(keep):
             return None
         valid = keep if valid is None else valid & keep

@@ -7,7 +7,7 @@
   carries the model's factor (made from a scaled q, or from scaled scores) is never a fixed bias:
   the scale is then unknown; scores plus a mix of themselves over heads are a mix;
 * ``masked_fill(m, -inf)`` and ``torch.where(m, scores, -inf)`` add a boolean mask (a fill above
-  ``-1e4`` is not a mask: unknown); ``torch.max(scores, finfo.min)`` / ``clamp(min=...)`` at or
+  ``-100`` is not a mask: unknown); ``torch.max(scores, finfo.min)`` / ``clamp(min=...)`` at or
   below it only touch masked entries;
 * ``c * tanh(z / c)`` records a soft cap ``c`` (Gemma 2);
 * casts and views keep the record (``(B·H, L, S) <-> (B, H, L, S)`` recovers the heads of a
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from probe.capture import ops as K
-from probe.capture.eager_scores import MASK_FILL, factor, number, prescale_factor, reshaped, scaled
+from probe.capture.eager_scores import MASK_BIAS, MASK_FILL, factor, number, prescale_factor, reshaped, scaled
 from probe.capture.records import Derived, Moved, Operand, Probs, Scores, Shift, Slice
 from probe.capture.rules import Op, before, carries_scale, rule, unknown
 from probe.capture.rules_products import mixed
@@ -158,11 +158,11 @@ def add_mask(tracer: Any, op: Op, node: Scores, mask: Any, invert: bool, fill: A
     ok = isinstance(mask, Tensor) and mask.dtype == torch.bool and not node.unknown
     fill_t = None
     if ok and isinstance(fill, Tensor) and fill.is_floating_point() and op.rec(fill) is None:
-        fill_t = fill.detach()  # compared with MASK_FILL on device at emit time, no sync
-    elif not (ok and number(fill) and fill <= MASK_FILL):
+        fill_t = fill.detach()  # compared with MASK_BIAS on device at emit time, no sync
+    elif not (ok and number(fill) and fill <= MASK_BIAS):
         ok = False
     if not ok:
-        tracer.set(op.out, unknown(node, f"`{op.name}` with a fill value above {MASK_FILL:g} or a mask that is "
+        tracer.set(op.out, unknown(node, f"`{op.name}` with a fill value above {MASK_BIAS:g} or a mask that is "
                                    "not boolean"))
         return
     tracer.set(op.out, dataclasses.replace(node, masks=node.masks + ((mask, invert, _layout(node, op.out), fill_t),)))
@@ -347,7 +347,7 @@ before(K.SETITEM, Scores)(_overwritten)
 def written(tracer: Any, op: Op) -> None:
     """``t[idx] = value`` changed ``t`` in place. Scores written back as a part of themselves plus
     tensors (timm MViTv2: ``attn[:, :, 1:, 1:] = attn[...].view(...) + rel_h + rel_w``) or with a
-    mask fill ``<= -1e4`` keep their record, the change a bias; any other write makes the scale
+    mask fill ``<= -100`` keep their record, the change a bias; any other write makes the scale
     unknown. Scores written into another tensor make it :class:`Derived` (never a fixed bias)."""
     target = op.args[0] if op.args else None
     record, before_values, tracer.saved = op.rec(target), tracer.saved, None
@@ -358,7 +358,7 @@ def written(tracer: Any, op: Op) -> None:
             tracer.set(target, Derived(carries_scale(written_rec), "scores written into a tensor"))
         return
     ok = before_values is not None and ((isinstance(written_rec, Slice) and written_rec.of is record)
-                                        or (written_rec is None and number(value) and value <= MASK_FILL))
+                                        or (written_rec is None and number(value) and value <= MASK_BIAS))
     if not ok:
         tracer.set(target, unknown(record, "the scores written in place"))
         return

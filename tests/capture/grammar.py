@@ -39,7 +39,8 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "product": ("at", "matmul_mT", "einsum", "bmm", "baddbmm"),
     "bias": ("none", "none", "rel", "alibi"),
     "mask": ("none", "causal", "padding", "window"),
-    "mask_kind": ("fill_inf", "fill_min", "where", "add_100", "add_min", "add_inf"),
+    "mask_kind": ("fill_inf", "fill_min", "fill_100", "where", "add_100", "add_min", "add_inf"),
+    "mask_view": ("direct", "direct", "swin"),  # Swin: scores viewed (B, nW, H, n, n) for the mask, then back
     "mask_place": ("inside", "passed"),
     "order": ("bias_first", "mask_first"),
     "softmax": ("softmax", "F_softmax_dtype", "exp_lse", "exp_sum", "exp_max_sum", "log_softmax_exp"),
@@ -71,6 +72,7 @@ class Spec:
     mask: str
     mask_kind: str
     mask_place: str
+    mask_view: str
     order: str
     softmax: str
     expand: str
@@ -277,6 +279,8 @@ class Program(nn.Module):
         with hidden():
             raw = (raw_q @ raw_k.transpose(-1, -2)).double()
         scores, bias, raw = self._bias_and_mask(scores, masked, n, raw)
+        if bias is not None and self._bias_in_product and spec.per_head == "yes":
+            bias = bias * torch.linspace(0.5, 1.5, h).view(h, 1, 1)  # the gain multiplied baddbmm's bias too
         if spec.hazard == "scores_clamp":
             scores = scores.clamp(max=1e4)
         elif spec.hazard == "scores_nan_to_num":
@@ -334,6 +338,8 @@ class Program(nn.Module):
         if spec.product == "einsum":
             if spec.layout == "blhd":
                 return torch.einsum("bqhd,bkhd->bhqk", q, k)
+            if spec.expand == "broadcast":  # one k head for all query heads, without a head letter
+                return torch.einsum("bhqd,bkd->bhqk", q, k[:, 0])
             return torch.einsum("...qd,...kd->...qk".replace("...", "bthx"[:q.dim() - 2]), q, k)
         if spec.kform == "kT":  # k was transposed before its factor
             return q @ k if spec.product == "at" else torch.matmul(q, k)
@@ -348,8 +354,12 @@ class Program(nn.Module):
         else:
             alpha = self.c if scale_in_baddbmm and spec.factor_on == "scores" else (
                 1.0 / (1.0 / self.c) if scale_in_baddbmm else 1.0)
-            empty = torch.empty(B * h, L, L)  # beta=0: ignored (GPT-2's reorder_and_upcast_attn)
-            s = torch.baddbmm(empty, q3, k3.transpose(1, 2), beta=0.0, alpha=alpha)
+            bias = self._bias(L)
+            if self._bias_in_product:  # Bloom: baddbmm(alibi, q, kᵀ, beta=1, alpha=s)
+                s = torch.baddbmm(self._rows(bias), q3, k3.transpose(1, 2), beta=1.0, alpha=alpha)
+            else:
+                empty = torch.empty(B * h, L, L)  # beta=0: ignored (GPT-2's reorder_and_upcast_attn)
+                s = torch.baddbmm(empty, q3, k3.transpose(1, 2), beta=0.0, alpha=alpha)
         return s if spec.flat else s.view(B, h, L, L)
 
     def _bias_and_mask(self, scores: Tensor, masked: Optional[Tensor], n: int,
@@ -357,15 +367,10 @@ class Program(nn.Module):
         """Bias, talking heads and mask in the spec's order; the truth's bias and unscaled logits
         (mixed alike when heads are mixed)."""
         spec = self.spec
-        bias = None
-        if spec.bias == "rel":
-            bias = self.rel[:, :n, :n]
-        elif spec.bias == "alibi":
-            i = torch.arange(n, dtype=scores.dtype)
-            bias = -self.slopes * (i[None, :] - i[:, None]).abs()
+        bias = self._bias(n)
         steps = ["bias", "mix", "mask"] if spec.order == "bias_first" else ["mask", "bias", "mix"]
         for step in steps:
-            if step == "bias" and bias is not None:
+            if step == "bias" and bias is not None and not self._bias_in_product:
                 scores = scores + (self._rows(bias) if spec.flat else bias)
             elif step == "mask" and masked is not None:
                 scores = self._apply_mask(scores, masked, n)
@@ -384,6 +389,19 @@ class Program(nn.Module):
         mixed = torch.einsum("bhij,hg->bgij", full.expand(raw.shape[0], m.shape[0], n, n), m)
         return (torch.einsum("bhij,hg->bgij", raw, m),
                 mixed if b is None else mixed + b.detach().double().view(1, -1, 1, 1))
+
+    @property
+    def _bias_in_product(self) -> bool:
+        spec = self.spec
+        return spec.product == "baddbmm" and spec.bias != "none" and spec.order == "bias_first"
+
+    def _bias(self, n: int) -> Optional[Tensor]:
+        if self.spec.bias == "rel":
+            return self.rel[:, :n, :n]
+        if self.spec.bias == "alibi":
+            i = torch.arange(n, dtype=torch.float32)
+            return -self.slopes * (i[None, :] - i[:, None]).abs()
+        return None
 
     def _mix(self, s: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         """Heads mixed before the softmax; (scores, M (H, G), the mix's own bias)."""
@@ -407,8 +425,15 @@ class Program(nn.Module):
             fill = {"add_100": -100.0, "add_min": torch.finfo(scores.dtype).min, "add_inf": float("-inf")}[spec.mask_kind]
             add[m] = fill
             return scores + add
+        if spec.mask_view == "swin" and scores.dim() == 4 and not spec.flat:  # the batch as windows of one image
+            h = scores.shape[1]
+            fill = -100.0 if spec.mask_kind != "fill_min" else torch.finfo(scores.dtype).min
+            windows = torch.zeros(B, 1, n, n).masked_fill(m.expand(B, 1, n, n), fill)
+            return (scores.view(1, B, h, n, n) + windows.unsqueeze(0)).view(-1, h, n, n)
         if spec.mask_kind == "fill_inf":
             return scores.masked_fill(m, float("-inf"))
+        if spec.mask_kind == "fill_100":
+            return scores.masked_fill(m, -100.0)
         if spec.mask_kind == "fill_min":
             return scores.masked_fill(m, torch.finfo(scores.dtype).min)
         if spec.mask_kind == "where":
