@@ -234,6 +234,7 @@ class Probe:
                 return None
             return outside_graph(self._on_traced_forward_start, module, args, kwargs)
         if self._aside(args, kwargs):  # the model runs as without probe
+            self._aside.nested += self._life.in_forward  # its end must not end the running forward
             return None
         self._recover_if_interrupted()
         life = self._life
@@ -273,11 +274,12 @@ class Probe:
             if torch.compiler.is_exporting():
                 return None
             return outside_graph(self._on_forward_end, module, args, kwargs, output)
-        if transform_running(args, kwargs) is not None:  # as at its start: stepped aside
-            return None
         life = self._life
         if not life.in_forward:
             return
+        if self._aside.nested and transform_running(args, kwargs) is not None:  # stepped aside at its start
+            self._aside.nested -= 1
+            return None
         if life.depth > 1:
             life.depth -= 1
             return

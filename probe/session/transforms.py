@@ -90,6 +90,8 @@ class StepAside:
 
     def __init__(self) -> None:
         self._warned = WarnOnce()
+        #: root calls stepped aside for while a root forward was running (their ends are not its end)
+        self.nested = 0
 
     def __call__(self, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]], what: Optional[str] = None) -> bool:
         """Whether to step aside for this forward (``what``: already known, e.g. ``torch.export``)."""

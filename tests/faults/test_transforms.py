@@ -175,3 +175,31 @@ def test_a_transform_inside_a_recorded_window_is_not_measured(name):
     mine = [str(w.message) for w in caught if str(w.message).startswith("probe:")]
     assert len(mine) == 1 and named in mine[0], mine
     assert p.summary().steps == 1 and p.summary().info("layers.0")["calls"] == 1
+
+
+def test_a_transformed_call_of_the_root_inside_its_own_forward_does_not_end_it():
+    """The root calls itself under torch.func.vmap from inside its forward (depth bookkeeping)."""
+
+    class SelfCalling(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = SDPAModel(layers=1)
+            self.nested = False
+
+        def forward(self, x):
+            if self.nested:
+                return self.inner(x)
+            self.nested = True
+            try:
+                torch.func.vmap(lambda xi: self(xi[None])[0])(x)  # stepped aside
+            finally:
+                self.nested = False
+            return self.inner(x)  # still this forward's: captured
+
+    model = SelfCalling()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.watch(model) as p:
+            model(torch.randn(2, 5, 64)).sum().backward()
+    assert [str(w.message) for w in caught if "stepped aside" in str(w.message)]
+    assert p.summary().steps == 1 and p.summary().info("inner.layers.0")["calls"] == 1
