@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from probe.call import AttentionCall
+from probe.capture.provenance_mha import mha_site
 from probe.capture.provenance_rules import (
     _ADDMM, _MUL, _META, _NORMS, _NOT_MODELLED, _PRODUCTS, Rules, _Entry, _Source, _Use, _name, _storage_key,
     _through,
@@ -307,9 +308,13 @@ class Trace(Rules, TorchFunctionMode):
                                           (tuple(t.shape), t.stride(), t.storage_offset())))
 
     # -- answers --------------------------------------------------------------------------------
-    def resolve(self, call: AttentionCall) -> Union[Pending, Refusal]:
+    def resolve(self, call: AttentionCall, module: Optional[nn.Module] = None) -> Union[Pending, Refusal]:
         """The rows ``call``'s q and k (``(B, H, L, d)``, ``(B, Hk, S, d)``) scale with, to be
-        confirmed by :meth:`finish`; call it while the call's tensors are alive."""
+        confirmed by :meth:`finish`; call it while the call's tensors are alive. ``module``: the
+        one that issued it (an ``nn.MultiheadAttention`` is resolved from its layout)."""
+        found_mha = mha_site(module, call, self._new_source, Pending, Refusal)
+        if found_mha is not None:
+            return found_mha
         if call.scale is None:
             return Refusal("its eager scores were changed by an op probe does not model (scale unknown)")
         if call.head_dim is not None:

@@ -90,6 +90,7 @@ class Clipping:
         self._top: Dict[SiteKey, Tensor] = {}  # max logit per head since the last clip
         self._trace: Optional[Trace] = None
         self._unverified: Set[SiteKey] = set()
+        self._modules: Dict[str, nn.Module] = {}
         self._pending: Dict[SiteKey, Any] = {}
         self._signature: Optional[Tuple[int, ...]] = None
         self._retrace = True
@@ -118,7 +119,9 @@ class Clipping:
         if self._retrace and self._trace is None:
             self._retrace = False
             self._pending = {}
-            self._trace = Trace(model, site_names(model))
+            names = site_names(model)
+            self._modules = {names[id(m)]: m for m in model.modules() if id(m) in names}  # by site name
+            self._trace = Trace(model, names)
             self._trace.__enter__()
 
     def stop_mode(self) -> None:
@@ -129,7 +132,7 @@ class Clipping:
     def end(self) -> None:
         """The capture ended (its mode emitted everything): settle provenance, forget the trace."""
         self.settle()
-        self._trace = None
+        self._trace, self._modules = None, {}
 
     def settle(self) -> None:
         """Resolve the traced sites (the forward is over: an optimizer step, or the capture's end);
@@ -168,7 +171,7 @@ class Clipping:
     def on_call(self, key: SiteKey, call: AttentionCall, top: Optional[Tensor]) -> None:
         """One recorded call of a measured forward (from the recorder)."""
         if self._trace is not None and not self._trace.passive:
-            self._pending[key] = self._trace.resolve(call)
+            self._pending[key] = self._trace.resolve(call, self._modules.get(key[0]))
         elif key not in self.sites:
             self._retrace = True  # a site not seen when the model was traced: trace the next forward
         self._heads[key] = (call.heads, call.kv_heads)

@@ -154,8 +154,8 @@ def test_shared_layers_are_refused():
     assert infos and all(v.startswith("refused: ") and "tied" in v for v in infos.values()), infos
 
 
-def test_multihead_attention_module_is_refused_by_name():
-    mha = nn.MultiheadAttention(D, H, batch_first=True)
+def test_multihead_attention_with_a_learned_key_bias_is_refused_by_name():
+    mha = nn.MultiheadAttention(D, H, batch_first=True, add_bias_kv=True)
 
     class M(nn.Module):
         def __init__(self):
@@ -240,3 +240,38 @@ def test_qwen3_qk_norm_over_head_dim_is_refused():
             torch.optim.SGD(model.parameters(), lr=0.0).step()
     found = p.summary().info("model.layers.0.self_attn")["qk_clip"]
     assert found.startswith("refused: an entry of model.layers.0.self_attn.q_norm.weight feeds several q heads"), found
+
+
+def test_multihead_attention_in_proj_rows_are_clipped_exactly():
+    from tests.qk_clip_util import max_logit64
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(D, H, dim_feedforward=32, dropout=0.0, batch_first=True).train()
+    with torch.no_grad():
+        layer.self_attn.in_proj_weight[: 2 * D].mul_(6)
+    x = torch.randn(2, 5, D)
+    seen = []
+    hook = layer.self_attn.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
+
+    def tops() -> torch.Tensor:  # from the module's own weights, written out
+        w, b = layer.self_attn.in_proj_weight, layer.self_attn.in_proj_bias
+        q, k = (F.linear(seen[0], w[i * D:(i + 1) * D], b[i * D:(i + 1) * D]) for i in (0, 1))
+        return max_logit64(_heads(q, 2, 5), _heads(k, 2, 5))
+
+    layer(x)
+    before = tops()
+    tau = float(before.mean())
+    v_rows = layer.self_attn.in_proj_weight[2 * D:].detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with probe.watch(layer, qk_clip=tau, every=None) as p:
+            layer(x).sum().backward()
+            torch.optim.SGD(layer.parameters(), lr=0.0).step()
+    hook.remove()
+    assert p.summary().info("self_attn")["qk_clip"].startswith("q: self_attn.in_proj_weight rows and in_proj_bias")
+    after = tops()
+    over = before > tau
+    assert over.any() and not over.all()
+    torch.testing.assert_close(after[over], torch.full_like(after[over], tau), rtol=2e-6, atol=0)
+    assert torch.equal(after[~over], before[~over])
+    assert torch.equal(layer.self_attn.in_proj_weight[2 * D:], v_rows)
