@@ -179,14 +179,11 @@ class Clipping:
             if key not in self.rec.infos:  # a site seen on steps measured for the clip only
                 self.rec.infos[key] = SiteInfo(call.kind, call.heads, call.kv_heads, call.d_k, softcap=call.softcap,
                                                scale_from=call.scale_from)
-        if top is None:
-            if self.rec.verifier.unverified(key):
-                if key not in self._unverified:
-                    self._refuse(key, "probe's record of its attention does not reproduce the model's own result "
-                                 "(the site is unverified): its max logits are not trusted")
-                top = torch.full((call.heads,), float("-inf"), device=call.q.device)  # recorded as no data
-            else:
-                return
+        if top is None:  # not measured (scale unknown, unverified): recorded as no data, never clipped
+            if self.rec.verifier.unverified(key) and key not in self._unverified:
+                self._refuse(key, "probe's record of its attention does not reproduce the model's own result "
+                             "(the site is unverified): its max logits are not trusted")
+            top = torch.full((call.heads,), float("-inf"), device=call.q.device)
         top = top.detach().float()
         prev = self._top.get(key)
         self._top[key] = top if prev is None or prev.shape != top.shape else torch.maximum(prev, top)

@@ -55,7 +55,8 @@ def _run(seed: int) -> str:
     summary = p.summary()
     found = [summary.info(site).get("qk_clip", "") for site in summary.sites]
     after = _tops(model, x, mask)
-    if len(found) != 1 or found[0].startswith("refused: "):
+    assert len(found) == 1, (spec, summary.sites)  # every site is recorded, clipped or not
+    if found[0].startswith("refused: "):
         assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters()), (spec, found)
         return "refused"
     over = before > tau
@@ -72,5 +73,6 @@ def test_every_program_is_clipped_exactly_or_refused(start: int) -> None:
     for seed in range(start, start + PER_TEST):
         outcome = _run(seed)
         counts[outcome] = counts.get(outcome, 0) + 1
-    # most programs are within the rules: a refusal of all of them would pass the assertions above
-    assert counts.get("clipped", 0) >= PER_TEST // 4, counts
+    # many programs are within the rules (a refusal of all of them would pass the assertions above);
+    # the others use talking heads, a normalization without a gain or an op probe does not model
+    assert counts.get("clipped", 0) >= PER_TEST // 5, counts
