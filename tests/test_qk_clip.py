@@ -363,3 +363,15 @@ def test_factors_follow_any_grouping_of_query_heads_onto_kv_heads():
 def test_a_compiled_model_is_refused_at_watch():
     with pytest.raises(ProbeError, match="qk_clip measures every training forward in eager mode"):
         probe.watch(torch.compile(Toy()), qk_clip=100.0)
+
+
+def test_the_example_runs(tmp_path, monkeypatch, capsys):
+    import os
+    import runpy
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.setattr("sys.argv", ["qk_clip.py", "--steps", "6", "--tau", "10", "--logdir", str(tmp_path)])
+    runpy.run_path(os.path.join(root, "examples", "qk_clip.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "largest over the run" in out and "steps clipped per head" in out
+    assert probe.Summary.load(str(tmp_path / "clipped")).metrics("blocks.0.attn")[0] == "qk_clip_logit"
