@@ -291,14 +291,3 @@ def _cmd_coverage(args: Any) -> int:
         with open(args.json, "w") as f:
             json.dump(report.to_dict(), f, indent=2)
     return 1 if report.missed or report.unverified else 0
-
-
-def add_commands(sub: Any) -> None:
-    """Register ``probe coverage`` on the CLI's subparsers."""
-    cmd = sub.add_parser("coverage", help="list every attention of a model: captured or not (and why), scale, "
-                                          "gradient metrics; exits 1 when one is missed")
-    cmd.add_argument("target", metavar="MODULE:FUNCTION",
-                     help="a function returning (model, args) or (model, args, kwargs): example inputs for one forward")
-    cmd.add_argument("--no-backward", action="store_true", help="skip the backward (no gradient metrics listed)")
-    cmd.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    cmd.set_defaults(func=_cmd_coverage)
