@@ -13,23 +13,43 @@ import argparse
 import json
 import math
 import sys
-from typing import Any, Dict, List, Optional, Tuple
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from probe.errors import ProbeError
 from probe.ci.exit_codes import ExitCode
 from probe.names import printable
-from probe.ci.runs import StepWindow, find_runs, load_run
-from probe.summary import Summary, compact_values, format_estimate
 
-__all__ = ["add_commands", "load_run", "positive_int", "report_table", "steps_line"]
+if TYPE_CHECKING:  # pragma: no cover - the CLI's parser imports this module: no numpy until a command runs
+    from probe.ci.runs import StepWindow
+    from probe.summary import Summary
+
+__all__ = ["add_commands", "positive_int", "report_table", "steps_line"]
 
 TENSORBOARD_NOTE = (
     "read from TensorBoard event files: only head-aggregated scalars exist there (head mean; max for "
     "logit_max, sum for nonfinite) unless the run used per_head=True; a single collapsed head can hide "
     "in a mean. Write probe_summary.json (probe.watch(model, logdir=...)) for per-head checks."
 )
+WINDOW_NOTE = (
+    "read from TensorBoard event files: only head-aggregated scalars exist there (head mean; max for "
+    "logit_max, sum for nonfinite), so a single collapsed head can hide in a mean. The run's "
+    "probe_summary.json has every head, as run totals: judge the directory without --last / --steps for "
+    "that, or log with probe.watch(..., per_head=True) to judge each head per step."
+)
+
+
+def _source_note(path: str, summary: "Summary", source: str) -> Optional[str]:
+    """What reading the event files left out of this run, and what would keep it: nothing when
+    every site has per-head values; the summary file when the run has none, a whole-run check or
+    ``per_head=True`` when it has one (a step window cannot use it)."""
+    import os
+
+    from probe.summary import SUMMARY_FILE
+
+    if source != "tensorboard" or not any(summary.info(site).get("heads_aggregated") for site in summary.sites):
+        return None
+    folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    return WINDOW_NOTE if os.path.isfile(os.path.join(folder, SUMMARY_FILE)) else TENSORBOARD_NOTE
 ESTIMATE_NOTE = (
     "some checked values are estimates from sampled query rows (rows=, default 128 for longer calls), "
     "shown as value ± standard error; a value within a few standard errors of its limit is not decided "
@@ -56,6 +76,7 @@ def _cell(summary: Summary, site: str, metric: str, scale: str) -> str:
     """The head aggregate at one scale; for an estimate ``value ± se``, ``se`` the heads' mean
     standard error (at least the standard error of their mean)."""
     from probe.metrics import head_reduce
+    from probe.summary import format_estimate
 
     value = head_reduce(metric, summary.value(site, metric, scale))
     se = summary.standard_error(site, metric, scale)
@@ -66,8 +87,10 @@ def report_table(summary: Summary) -> str:
     """Per site: its info line, then one row per metric with the head aggregate at each scale
     (mean; max for ``logit_max``, sum for ``nonfinite``) and the range over heads at ``actual``.
     Columns line up across all sites."""
+    import numpy as np
+
     from probe.sinks.tags import scale_label
-    from probe.metrics import head_reduce
+    from probe.summary import compact_values
 
     builtin = ("actual", "unscaled", "standard")  # then extra scales, in the order seen
     scales: List[str] = []
@@ -117,7 +140,9 @@ def report_table(summary: Summary) -> str:
     return "\n".join(out).rstrip()
 
 
-def _window(args: argparse.Namespace) -> Optional[StepWindow]:
+def _window(args: argparse.Namespace) -> Optional["StepWindow"]:
+    from probe.ci.runs import StepWindow
+
     if getattr(args, "last", None) is not None:
         return StepWindow(last=args.last)
     if getattr(args, "steps", None) is not None:
@@ -134,6 +159,7 @@ def _error(args: argparse.Namespace, message: str) -> int:
 
 def _judge(path: str, args: argparse.Namespace, rules: List[Any], origin: str) -> Tuple[int, Dict[str, Any], List[str]]:
     """One run: (exit code, JSON object, text lines)."""
+    from probe.ci.runs import load_run
     from probe.ci.thresholds import evaluate, format_table
 
     window = _window(args)
@@ -145,7 +171,7 @@ def _judge(path: str, args: argparse.Namespace, rules: List[Any], origin: str) -
             [f"error: {printable(str(err))}"]
     violations = sorted((v for v in judged if not v.ok), key=lambda v: -v.excess)
     estimated = ESTIMATE_NOTE if any(v.se is not None for v in judged) else None
-    notes = [n for n in (TENSORBOARD_NOTE if source == "tensorboard" else None, summary.meta.get("note"), estimated) if n]
+    notes = [n for n in (_source_note(path, summary, source), summary.meta.get("note"), estimated) if n]
     code = ExitCode.VIOLATIONS if violations else ExitCode.OK
     data = {
         "ok": not violations, "run": path, "source": source, "thresholds": [str(t) for t in rules],
@@ -166,6 +192,7 @@ def _judge(path: str, args: argparse.Namespace, rules: List[Any], origin: str) -
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    from probe.ci.runs import find_runs
     from probe.ci.thresholds import as_thresholds, load_thresholds
 
     try:
@@ -202,6 +229,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from probe.ci.runs import find_runs, load_run
+
     window = _window(args)
     try:
         runs = find_runs(args.run)
@@ -215,7 +244,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         return _error(args, str(err))
     if args.json:
         objects = [{"run": path, "source": source, "steps": summary.steps,
-                    "note": TENSORBOARD_NOTE if source == "tensorboard" else None, "summary": summary.to_dict()}
+                    "note": _source_note(path, summary, source), "summary": summary.to_dict()}
                    for path, summary, source in loaded]
         print(json.dumps(objects[0] if len(objects) == 1 else {"run": args.run, "runs": objects}, indent=1))
         return ExitCode.OK
@@ -224,14 +253,16 @@ def _cmd_report(args: argparse.Namespace) -> int:
             print()
         print(f"probe report {printable(path)} ({source}: {len(summary)} sites, {summary.steps} probed steps)")
         print(steps_line(summary, window))
-        for note in (TENSORBOARD_NOTE if source == "tensorboard" else None, summary.meta.get("note")):
+        for note in (_source_note(path, summary, source), summary.meta.get("note")):
             if note:
                 print(f"note: {note}")
         print(report_table(summary))
     return ExitCode.OK
 
 
-def _step_range(text: str) -> StepWindow:
+def _step_range(text: str) -> "StepWindow":
+    from probe.ci.runs import StepWindow
+
     start, sep, stop = text.partition(":")
     try:
         lo = int(start) if start.strip() else None

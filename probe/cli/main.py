@@ -1,6 +1,11 @@
 """The ``probe`` command line (also ``python -m probe``): the parser, ``main`` and the demo-model
-commands (``probe demo``, ``probe compare``); ``probe check`` / ``probe report`` live in
-:mod:`probe.ci.check`, the exit codes in :mod:`probe.ci.exit_codes`."""
+commands (``probe demo``, ``probe compare``), ``probe coverage``'s arguments; ``probe check`` /
+``probe report`` live in :mod:`probe.ci.check`, the exit codes in :mod:`probe.ci.exit_codes`.
+
+Building the parser imports no torch: ``probe --help``, ``probe --version`` and argument errors
+answer at once (importing torch takes seconds, more on a busy machine). Only the commands that run
+a model (``demo``, ``compare``, ``coverage``) import it, after their arguments are parsed.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,12 @@ from probe.ci.check import add_commands as add_check_commands
 from probe.ci.exit_codes import ExitCode
 
 __all__ = ["ExitCode", "build_parser", "main"]
+
+
+def _cmd_coverage(args: argparse.Namespace) -> int:
+    from probe.session.coverage import _cmd_coverage as run
+
+    return int(run(args))
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -80,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=positive_int, default=100, help="training steps per run (default 100)")
     demo.add_argument("--logdir", default="runs/demo", help="TensorBoard directory (default runs/demo)")
     demo.add_argument("--seed", type=int, default=0)
-    demo.set_defaults(func=_cmd_demo)
+    demo.set_defaults(func=_cmd_demo, needs_torch=True)
     add_check_commands(sub)  # probe check, probe report
     cmd = sub.add_parser("compare", help="one forward/backward of the demo model per scale, side by side")
     cmd.add_argument("--scale", action="append", type=_cli_scale, metavar="SCALE",
@@ -90,10 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     cmd.add_argument("--batch", type=positive_int, default=32, help="batch size (default 32)")
     cmd.add_argument("--seed", type=int, default=0)
     cmd.add_argument("--json", metavar="PATH", help="also write the table as JSON")
-    cmd.set_defaults(func=_cmd_compare)
-    from probe.session.coverage import add_commands as add_coverage_commands
-
-    add_coverage_commands(sub)  # probe coverage
+    cmd.set_defaults(func=_cmd_compare, needs_torch=True)
+    cmd = sub.add_parser("coverage", help="list every attention of a model: captured or not (and why), scale, "
+                                          "gradient metrics; exits 1 when one is missed")
+    cmd.add_argument("target", metavar="MODULE:FUNCTION",
+                     help="a function returning (model, args) or (model, args, kwargs): example inputs for one forward")
+    cmd.add_argument("--no-backward", action="store_true", help="skip the backward (no gradient metrics listed)")
+    cmd.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    cmd.set_defaults(func=_cmd_coverage, needs_torch=True)  # the command itself: probe.session.coverage
     return parser
 
 
@@ -135,13 +150,7 @@ class _PipeSafeStdout:
 
 def main(argv: Optional[List[str]] = None) -> int:
     from probe.errors import ProbeError
-    from probe.torch_support import check_torch
 
-    try:
-        check_torch()  # an unsupported torch: say what it lacks before any command imports it
-    except ProbeError as err:
-        print(f"probe: error: {err}", file=sys.stderr)
-        return ExitCode.USAGE
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -150,6 +159,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return ExitCode.USAGE
+    if getattr(args, "needs_torch", False):
+        from probe.torch_support import check_torch
+
+        try:
+            check_torch()  # an unsupported torch: say what it lacks before the command imports it
+        except ProbeError as err:
+            print(f"probe: error: {err}", file=sys.stderr)
+            return ExitCode.USAGE
     stdout, sys.stdout = sys.stdout, _PipeSafeStdout(sys.stdout)  # type: ignore[assignment]
     try:
         code = int(args.func(args))
