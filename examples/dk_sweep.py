@@ -15,7 +15,7 @@ the scale: here the "unscaled" counterfactual is exactly what an unscaled model 
 TensorBoard, with d_k as the x axis (the probe's step is d_k):
 
     python examples/dk_sweep.py --logdir runs/dk_sweep
-    tensorboard --logdir runs/dk_sweep      # probe.logit_var/unscaled/root, ...
+    tensorboard --logdir runs/dk_sweep      # probe.logit_var@unscaled/root, ...
 """
 
 from __future__ import annotations

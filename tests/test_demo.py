@@ -53,7 +53,7 @@ def test_demo_logs_loss_and_never_mixes_runs(tmp_path):
         acc = EventAccumulator(str(tmp_path / run))
         acc.Reload()
         assert [e.step for e in acc.Scalars("loss/train")] == [0, 1, 2]  # loss beside probe's scalars
-        assert [e.step for e in acc.Scalars("probe.entropy/actual/blocks.0.attn")] == [0]
+        assert [e.step for e in acc.Scalars("probe.entropy@actual/blocks.0.attn")] == [0]
 
 
 def test_cli_demo_and_usage_errors(tmp_path):

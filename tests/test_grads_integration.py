@@ -195,10 +195,10 @@ def test_tensorboard_gets_grad_scalars_per_scale(tmp_path):
     acc.Reload()
     tags = acc.Tags()["scalars"]
     for scale in ("actual", "unscaled", "standard"):
-        assert f"probe.grad_logits/{scale}/layers.0" in tags
+        assert f"probe.grad_logits@{scale}/layers.0" in tags
     for metric in ("grad_q", "grad_k", "grad_v"):
-        assert f"probe.{metric}/actual/layers.0" in tags
-    events = acc.Scalars("probe.grad_q/actual/layers.0")
+        assert f"probe.{metric}@actual/layers.0" in tags
+    events = acc.Scalars("probe.grad_q@actual/layers.0")
     assert [e.step for e in events] == [0, 1]
     assert probe.Summary.load(tmp_path).value("layers.0", "grad_k").shape == (2,)
 

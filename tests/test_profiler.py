@@ -262,12 +262,12 @@ def test_summary_json_round_trip_and_tensorboard_scalars(tmp_path):
     tags = acc.Tags()["scalars"]
     for metric in ("logit_var", "logit_max", "entropy", "max_prob", "saturation"):
         for scale in ("actual", "unscaled", "standard"):
-            assert f"probe.{metric}/{scale}/layers.1" in tags
-    events = acc.Scalars("probe.entropy/unscaled/layers.0")
+            assert f"probe.{metric}@{scale}/layers.1" in tags
+    events = acc.Scalars("probe.entropy@unscaled/layers.0")
     assert [e.step for e in events] == [0, 1, 2]
     # the same input every step: each step's value equals the aggregate
     assert events[-1].value == pytest.approx(float(s.value("layers.0", "entropy", "unscaled").mean()), rel=1e-5)
-    assert acc.Scalars("probe.logit_max/actual/layers.0")[0].value == pytest.approx(
+    assert acc.Scalars("probe.logit_max@actual/layers.0")[0].value == pytest.approx(
         float(s.value("layers.0", "logit_max").max()), rel=1e-5)
     assert "probe.sites/text_summary" in acc.Tags()["tensors"]
 

@@ -1,9 +1,9 @@
 """TensorBoard sink: scalars, heatmaps, histograms, a custom-scalars layout and the sites table.
 
-The tag names are defined in :mod:`probe.sinks.tags` (``probe.{metric}/{scale}/{site}``,
-``probe.{metric}.heatmap/{scale}``, ``probe.{metric}.hist/{scale}``, custom-scalars category
-``probe.{metric}``, text ``probe.sites``): one TensorBoard group per metric; site names encoded so
-``/`` or a newline cannot split a tag.
+The tag names are defined in :mod:`probe.sinks.tags` (``probe.{metric}@{scale}/{site}``,
+``probe.{metric}.heatmap/{scale}``, ``probe.{metric}.hist/{scale}``, custom-scalars categories
+``attention`` and ``probe.{metric}``, text ``probe.sites``): one TensorBoard group per metric and
+scale; site names encoded so ``/`` or a newline cannot split a tag.
 
 Every write runs on probe's background worker, never on the training thread.
 

@@ -27,5 +27,5 @@ def test_event_files_without_a_probe_tag_are_not_parsed(tmp_path, monkeypatch):
     assert fresh_logdir(str(tmp_path)) == str(tmp_path)
     assert parsed == []
     with SummaryWriter(str(tmp_path), filename_suffix=".probe") as w:  # a killed probe run: its scalars only
-        w.add_scalar("probe.entropy/actual/layers.0", 0.5, 0)
+        w.add_scalar("probe.entropy@actual/layers.0", 0.5, 0)
     assert _holds_probe_run(str(tmp_path)) and len(parsed) == 1  # (fresh_logdir: the path is claimed now)

@@ -65,8 +65,8 @@ def test_trainer_run_holds_loss_and_probe_scalars_at_optimizer_steps(tmp_path) -
     assert tags["train/loss"] == [1, 2, 3, 4]
     assert probe_steps(tags) == [1, 2, 3, 4]     # probe's steps are the optimizer steps
     for site in SITES:
-        assert f"probe.entropy/unscaled/{site}" in tags
-        assert f"probe.grad_logits/actual/{site}" in tags
+        assert f"probe.entropy@unscaled/{site}" in tags
+        assert f"probe.grad_logits@actual/{site}" in tags
     # both micro-batches of each step are in it, evaluation forwards are not: 2 calls a step a site
     assert rec.writes == [(n, {s: 2 * n for s in SITES}) for n in (1, 2, 3, 4)]
     assert os.path.isfile(os.path.join(dirs[0], "probe_summary.json"))

@@ -136,7 +136,7 @@ def test_lightning_run_holds_logged_metrics_and_probe_scalars_at_optimizer_steps
     assert tags["train_loss"] == [0, 1, 2, 3]     # Lightning's numbering: from 0
     assert probe_steps(tags) == [0, 1, 2, 3]
     for site in SITES:
-        assert f"probe.entropy/unscaled/{site}" in tags and f"probe.grad_logits/actual/{site}" in tags
+        assert f"probe.entropy@unscaled/{site}" in tags and f"probe.grad_logits@actual/{site}" in tags
     # both micro-batches of each step, no validation or sanity-check forward: 2 calls a step a site
     assert rec.writes == [(n, {s: 2 * (n + 1) for s in SITES}) for n in range(4)]
     assert os.path.isfile(os.path.join(str(tmp_path), "tb", "version_0", "probe_summary.json"))

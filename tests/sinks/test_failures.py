@@ -23,7 +23,7 @@ def _probe_warnings(record):
     return [str(w.message) for w in record if str(w.message).startswith("probe:")]
 
 
-def _steps_in_events(logdir, tag="probe.entropy/actual/layers.0"):
+def _steps_in_events(logdir, tag="probe.entropy@actual/layers.0"):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})

@@ -25,7 +25,7 @@ def _steps(path):
 
     acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
     acc.Reload()
-    return [e.step for e in acc.Scalars("probe.entropy/actual/layers.0")]
+    return [e.step for e in acc.Scalars("probe.entropy@actual/layers.0")]
 
 
 def test_a_second_run_goes_to_a_fresh_directory_and_says_so(tmp_path):

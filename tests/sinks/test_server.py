@@ -86,9 +86,9 @@ def test_tensorboard_serves_scalars_images_histograms_layout_and_text(server):
     for site in sites:
         for metric in refs[0].metrics(site):
             for scale in refs[0].scales(site, metric):
-                tag = f"probe.{metric}/{scale}/{site}"
+                tag = f"probe.{metric}@{scale}/{site}"
                 assert tag in tags and f"{tag}/head03" in tags
-    points = _json(base, "data/plugin/scalars/scalars", run="run", tag="probe.entropy/unscaled/layers.1")
+    points = _json(base, "data/plugin/scalars/scalars", run="run", tag="probe.entropy@unscaled/layers.1")
     assert [p[1] for p in points] == [0, 1, 2]
     want = [head_reduce("entropy", r.value("layers.1", "entropy", "unscaled")) for r in refs]
     np.testing.assert_allclose([p[2] for p in points], want, rtol=1e-5)
@@ -113,23 +113,27 @@ def test_tensorboard_serves_scalars_images_histograms_layout_and_text(server):
         assert buckets[0][0] == pytest.approx(values.min(), rel=1e-4)
         assert buckets[-1][1] == pytest.approx(values.max(), rel=1e-4)
 
-    # custom scalars: one category per metric, one chart per site: a band chart (actual in the
-    # band from standard to unscaled) where all three scales exist, else a line chart
+    # custom scalars: the headline first (the loss, then attention/*), then one category per metric,
+    # one chart per site: a band chart (actual in the band from standard to unscaled) where all
+    # three scales exist, else a line chart
     layout = _json(base, "data/plugin/custom_scalars/layout")
     titles = [c["title"] for c in layout["category"]]
-    assert titles == [f"probe.{m}" for m in refs[0].metrics("layers.0")]
+    assert titles == ["attention"] + [f"probe.{m}" for m in refs[0].metrics("layers.0")]
+    headline = layout["category"][0]["chart"]
+    (regex,) = headline[0]["multiline"]["tag"]  # the loss: none in this run, but a valid regex
+    assert _json(base, "data/plugin/custom_scalars/scalars", run="run", tag=regex)["regex_valid"]
     chart = layout["category"][titles.index("probe.entropy")]["chart"][1]
     assert chart["title"] == "layers.1: actual, band standard–unscaled"
     (series,) = chart["margin"]["series"]
     assert [series["value"], series["lower"], series["upper"]] == [
-        "probe.entropy/actual/layers.1", "probe.entropy/standard/layers.1", "probe.entropy/unscaled/layers.1"]
+        "probe.entropy@actual/layers.1", "probe.entropy@standard/layers.1", "probe.entropy@unscaled/layers.1"]
     for tag in series.values():
         assert [p[1] for p in _json(base, "data/plugin/scalars/scalars", run="run", tag=tag)] == [0, 1, 2]
     chart = layout["category"][titles.index("probe.grad_q")]["chart"][1]
     assert chart["title"] == "layers.1"
     (regex,) = chart["multiline"]["tag"]
     lines = _json(base, "data/plugin/custom_scalars/scalars", run="run", tag=regex)
-    assert lines["regex_valid"] and sorted(lines["tag_to_events"]) == ["probe.grad_q/actual/layers.1"]
+    assert lines["regex_valid"] and sorted(lines["tag_to_events"]) == ["probe.grad_q@actual/layers.1"]
 
     # text: the sites table
     assert _json(base, "data/plugin/text/tags")["run"] == ["probe.sites/text_summary"]

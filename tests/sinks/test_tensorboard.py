@@ -96,7 +96,15 @@ def test_every_tag_holds_the_values_of_each_step(tmp_path):
 
     layout = _layout(acc)
     categories = {c.title: c for c in layout.category}
-    assert set(categories) == {f"probe.{m}" for m in s.metrics("layers.0")}
+    assert [c.title for c in layout.category][0] == "attention"  # the headline first
+    assert set(categories) == {"attention"} | {f"probe.{m}" for m in s.metrics("layers.0")}
+    headline = categories["attention"].chart
+    assert [c.title for c in headline] == ["loss (every tag with 'loss' in it)", "entropy at actual, mean of every head",
+                                           "logit_max at actual, max of every head",
+                                           "saturation at actual, mean of every head"]
+    for tag in ("loss/train", "train/loss", "eval/Loss"):  # the loss chart's regex (TensorBoard matches from the start)
+        assert re.match(headline[0].multiline.tag[0], tag)
+    assert not [t for t in tags["scalars"] if re.match(headline[0].multiline.tag[0], t)]  # none of probe's
     for metric in s.metrics("layers.0"):
         charts = categories[f"probe.{metric}"].chart
         if s.scales("layers.0", metric) == ["actual"]:  # grad_q/k/v, nonfinite: a Multiline chart per site
@@ -118,17 +126,17 @@ def test_layout_escapes_site_names_and_excludes_head_tags():
     layout = custom_scalars_layout({"entropy": ["a.b#2"]})
     (kind, (regex,)) = layout["probe.entropy"]["a.b#2"]
     assert kind == "Multiline"
-    assert re.search(regex, "probe.entropy/unscaled/a.b#2")
-    assert re.search(regex, "probe.entropy/half/a.b#2")  # extra scales join the chart
-    assert not re.search(regex, "probe.entropy/unscaled/axb#2")
-    assert not re.search(regex, "probe.entropy/unscaled/a.b#2/head00")
-    assert not re.search(regex, "probe.logit_max/unscaled/a.b#2")
+    assert re.search(regex, "probe.entropy@unscaled/a.b#2")
+    assert re.search(regex, "probe.entropy@half/a.b#2")  # extra scales join the chart
+    assert not re.search(regex, "probe.entropy@unscaled/axb#2")
+    assert not re.search(regex, "probe.entropy@unscaled/a.b#2/head00")
+    assert not re.search(regex, "probe.logit_max@unscaled/a.b#2")
     # with the scales known: a Margin chart (exact tags, names encoded), plus a Multiline chart for extra scales
     layout = custom_scalars_layout({"entropy": ["a/b"]}, {("entropy", "a/b"): {"actual", "standard", "unscaled", "half"}})
     charts = layout["probe.entropy"]
     assert charts["a/b: actual, band standard–unscaled"] == [
-        "Margin", ["probe.entropy/actual/a%2Fb", "probe.entropy/standard/a%2Fb", "probe.entropy/unscaled/a%2Fb"]]
-    assert re.search(charts["a/b: every scale"][1][0], "probe.entropy/half/a%2Fb")
+        "Margin", ["probe.entropy@actual/a%2Fb", "probe.entropy@standard/a%2Fb", "probe.entropy@unscaled/a%2Fb"]]
+    assert re.search(charts["a/b: every scale"][1][0], "probe.entropy@half/a%2Fb")
 
 
 def test_writes_beside_the_users_own_writer_at_their_global_step(tmp_path):
@@ -148,7 +156,7 @@ def test_writes_beside_the_users_own_writer_at_their_global_step(tmp_path):
     acc = _events(tmp_path)
     assert [e.step for e in acc.Scalars("train/loss")] == [100, 200, 300]
     assert [e.step for e in acc.Scalars("train/after_close")] == [400]
-    assert [e.step for e in acc.Scalars("probe.entropy/actual/layers.0")] == [100, 200, 300]
+    assert [e.step for e in acc.Scalars("probe.entropy@actual/layers.0")] == [100, 200, 300]
     assert [e.step for e in acc.Images("probe.entropy.heatmap/unscaled")] == [100, 200, 300]
     assert (tmp_path / "probe_summary.json").exists()
 
@@ -197,7 +205,7 @@ def test_flush_every_aggregates_windows_and_writes_at_their_last_step(tmp_path):
                                        ref.value("layers.0", metric, "unscaled" if metric != "grad_q" else "actual") / per_step,
                                        rtol=1e-4, atol=1e-6, err_msg=f"{metric} at {step}")
     acc = _events(tmp_path)
-    assert [e.step for e in acc.Scalars("probe.max_prob/standard/layers.1")] == [2, 5, 6]
+    assert [e.step for e in acc.Scalars("probe.max_prob@standard/layers.1")] == [2, 5, 6]
     assert p.summary().steps == 7
 
 
@@ -247,8 +255,8 @@ def test_sites_appearing_later_and_extra_scales_reach_every_panel(tmp_path):
         "a: actual, band standard–unscaled", "a: every scale", "b: actual, band standard–unscaled", "b: every scale"]
     (regex,) = entropy.chart[3].multiline.tag
     assert sorted(t for t in acc.Tags()["scalars"] if re.search(regex, t)) == [  # no /headNN tags
-        f"probe.entropy/{s}/b" for s in ("actual", "half", "standard", "unscaled")]
-    assert [e.step for e in acc.Scalars("probe.entropy/half/b")] == [1]
+        f"probe.entropy@{s}/b" for s in ("actual", "half", "standard", "unscaled")]
+    assert [e.step for e in acc.Scalars("probe.entropy@half/b")] == [1]
     assert [i.step for i in acc.Images("probe.entropy.heatmap/half")] == [0, 1]
     # the heatmap of step 0 has one row (site a), of step 1 two: it grew with the sites
     for image, sites in zip(acc.Images("probe.entropy.heatmap/half"), (["a"], ["a", "b"])):
@@ -273,7 +281,7 @@ def test_pictures_follow_their_own_cadence(tmp_path):
         for x in xs:
             train_step(model, x)
     acc = _events(tmp_path)
-    tag = next(t for t in acc.Tags()["scalars"] if t.startswith("probe.entropy/actual/"))
+    tag = next(t for t in acc.Tags()["scalars"] if t.startswith("probe.entropy@actual/"))
     assert [e.step for e in acc.Scalars(tag)] == list(range(7))
     assert [i.step for i in acc.Images("probe.entropy.heatmap/actual")] == [0, 3, 6]
     assert [h.step for h in acc.Histograms("probe.entropy.hist/actual")] == [0, 3, 6]
@@ -290,3 +298,19 @@ def test_last_pictures_written_at_close(tmp_path):
             train_step(model, x)
     acc = _events(tmp_path)
     assert [i.step for i in acc.Images("probe.max_prob.heatmap/standard")] == [0, 3, 4]
+
+
+def test_scalar_tags_of_this_and_earlier_layouts_read_back():
+    from probe.sinks.tags import ScalarTag, parse_scalar_tag
+
+    # this layout: one group per metric and scale, spelt as thresholds spell it
+    assert scalar_tag("entropy", "unscaled", "a/b") == "probe.entropy@unscaled/a%2Fb"
+    assert parse_scalar_tag("probe.entropy@unscaled/a%2Fb") == ScalarTag("entropy", "unscaled", "a/b", None)
+    assert parse_scalar_tag("probe.entropy@0.5/l.1/head03") == ScalarTag("entropy", "0.5", "l.1", 3)
+    # the layouts before it: probe.{metric}/{scale}/{site}, and probe/{metric}/{scale}/{site}
+    assert parse_scalar_tag("probe.entropy/unscaled/a%2Fb/head01") == ScalarTag("entropy", "unscaled", "a/b", 1)
+    assert parse_scalar_tag("probe/entropy/actual/a/b") == ScalarTag("entropy", "actual", "a/b", None)
+    # not probe's per-site scalars: the headline, pictures, the user's own, malformed
+    for tag in ("attention/entropy", "probe.entropy.heatmap/actual", "probe.entropy.hist/actual", "loss/train",
+                "probe.entropy@actual/l.1/x", "probe.@actual/l.1", "probe.entropy@/l.1", "probe.a.b@actual/l.1"):
+        assert parse_scalar_tag(tag) is None, tag
