@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterator, Optional, Protocol, Set, Tuple, Type, runtime_checkable
 
+import numpy as np
+
 from probe.metrics import head_reduce
+from probe.sinks.tags import OVERVIEW_METRICS, overview_tag
 from probe.sinks.tags import scalar_tag  # re-exported: the tag names live in probe.sinks.tags
 from probe.summary import Summary
 
-__all__ = ["BaseSink", "Sink", "SinkGuard", "head_scalars", "scalar_tag"]
+__all__ = ["BaseSink", "Sink", "SinkGuard", "head_scalars", "overview_scalars", "scalar_tag"]
 
 
 @runtime_checkable
@@ -78,6 +81,17 @@ def head_scalars(summary: Summary, per_head: bool = False) -> Iterator[Tuple[str
                 if per_head:
                     for h, v in enumerate(values):
                         yield scalar_tag(metric, scale, site, h), float(v)
+
+
+def overview_scalars(summary: Summary) -> Iterator[Tuple[str, float]]:
+    """The headline: (``attention/{metric}``, value) for entropy, logit_max and saturation at
+    ``actual``, folded over every head of every site as one site's heads are (mean; max for
+    ``logit_max``). Nothing for a metric no site has at ``actual``."""
+    for metric in OVERVIEW_METRICS:
+        values = [summary.value(site, metric, "actual") for site in summary.sites
+                  if metric in summary.metrics(site) and "actual" in summary.scales(site, metric)]
+        if values:
+            yield overview_tag(metric), head_reduce(metric, np.concatenate([np.ravel(v) for v in values]))
 
 
 class SinkGuard:

@@ -1,9 +1,9 @@
 """TensorBoard sink: scalars, heatmaps, histograms, a custom-scalars layout and the sites table.
 
-The tag names are defined in :mod:`probe.sinks.tags` (``probe.{metric}@{scale}/{site}``,
-``probe.{metric}.heatmap/{scale}``, ``probe.{metric}.hist/{scale}``, custom-scalars categories
-``attention`` and ``probe.{metric}``, text ``probe.sites``): one TensorBoard group per metric and
-scale; site names encoded so ``/`` or a newline cannot split a tag.
+The tag names are defined in :mod:`probe.sinks.tags` (the headline ``attention/{metric}``,
+``probe.{metric}@{scale}/{site}``, ``probe.{metric}.heatmap/{scale}``, ``probe.{metric}.hist/{scale}``,
+custom-scalars categories ``attention`` and ``probe.{metric}``, text ``probe.sites``): one
+TensorBoard group per metric and scale; site names encoded so ``/`` or a newline cannot split a tag.
 
 Every write runs on probe's background worker, never on the training thread.
 
@@ -25,7 +25,7 @@ import numpy as np
 from probe.errors import ProbeError
 from probe.sinks import tags
 from probe.sinks.eventfile import EventFile
-from probe.sinks.base import head_scalars, scalar_tag
+from probe.sinks.base import head_scalars, overview_scalars, scalar_tag
 from probe.sinks.images import grid_of, render_heatmap
 from probe.sinks.tags import custom_scalars_layout  # the layout is part of the tag contract (tags.py)
 from probe.summary import Summary, compact_values
@@ -176,7 +176,7 @@ class TensorBoardSink:
         return last is None or step - last >= self.image_every or step < last
 
     def _write(self, w: Any, step: int, summary: Summary) -> None:
-        _add_scalars(w, list(head_scalars(summary, self.per_head)), step)
+        _add_scalars(w, list(overview_scalars(summary)) + list(head_scalars(summary, self.per_head)), step)
         if (self.images or self.histograms) and self._pictures_due(step):
             self._write_pictures(w, step, summary)
         else:

@@ -120,6 +120,9 @@ def test_tensorboard_serves_scalars_images_histograms_layout_and_text(server):
     titles = [c["title"] for c in layout["category"]]
     assert titles == ["attention"] + [f"probe.{m}" for m in refs[0].metrics("layers.0")]
     headline = layout["category"][0]["chart"]
+    (regex,) = headline[1]["multiline"]["tag"]
+    lines = _json(base, "data/plugin/custom_scalars/scalars", run="run", tag=regex)
+    assert lines["regex_valid"] and list(lines["tag_to_events"]) == ["attention/entropy"]
     (regex,) = headline[0]["multiline"]["tag"]  # the loss: none in this run, but a valid regex
     assert _json(base, "data/plugin/custom_scalars/scalars", run="run", tag=regex)["regex_valid"]
     chart = layout["category"][titles.index("probe.entropy")]["chart"][1]

@@ -62,7 +62,14 @@ def test_every_tag_holds_the_values_of_each_step(tmp_path):
                     want = [ref.value(site, metric, scale)[h] for ref in refs]
                     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
                 n_tags += 5
-    assert len(tags["scalars"]) == n_tags
+    # the headline group: every head of every site at actual, folded as one site's heads are
+    for metric in ("entropy", "logit_max", "saturation"):
+        events = acc.Scalars(f"attention/{metric}")
+        assert [e.step for e in events] == list(range(steps))
+        for e, ref in zip(events, refs):
+            every_head = np.concatenate([ref.value(site, metric, "actual") for site in s.sites])
+            assert e.value == pytest.approx(head_reduce(metric, every_head), rel=1e-4, abs=1e-6)
+    assert len(tags["scalars"]) == n_tags + 3
     # the aggregate summary is the one-step reference over all inputs (variance combined exactly)
     agg = reference_summary(model, xs)
     np.testing.assert_allclose(s.value("layers.1", "logit_var", "unscaled"),
@@ -102,6 +109,7 @@ def test_every_tag_holds_the_values_of_each_step(tmp_path):
     assert [c.title for c in headline] == ["loss (every tag with 'loss' in it)", "entropy at actual, mean of every head",
                                            "logit_max at actual, max of every head",
                                            "saturation at actual, mean of every head"]
+    assert [t for t in tags["scalars"] if re.match(headline[1].multiline.tag[0], t)] == ["attention/entropy"]
     for tag in ("loss/train", "train/loss", "eval/Loss"):  # the loss chart's regex (TensorBoard matches from the start)
         assert re.match(headline[0].multiline.tag[0], tag)
     assert not [t for t in tags["scalars"] if re.match(headline[0].multiline.tag[0], t)]  # none of probe's
@@ -162,7 +170,7 @@ def test_writes_beside_the_users_own_writer_at_their_global_step(tmp_path):
 
 
 def test_a_writer_of_another_class_gets_add_scalar_for_each_tag():
-    from probe.sinks.base import head_scalars
+    from probe.sinks.base import head_scalars, overview_scalars
     from probe.sinks.tensorboard import TensorBoardSink
 
     class Recording:  # add_scalar and friends, but not torch's private _get_file_writer
@@ -177,8 +185,8 @@ def test_a_writer_of_another_class_gets_add_scalar_for_each_tag():
     summary = reference_summary(*model_and_inputs(1))
     writer = Recording()
     TensorBoardSink(writer, per_head=True).write(7, summary)
-    expected = [(tag, value, 7) for tag, value in head_scalars(summary, per_head=True)]
-    assert len(writer.scalars) == len(expected) > 0
+    expected = [(tag, value, 7) for tag, value in [*overview_scalars(summary), *head_scalars(summary, per_head=True)]]
+    assert len(writer.scalars) == len(expected) > 3
     for (tag, value, step), (want_tag, want, want_step) in zip(writer.scalars, expected):
         assert (tag, step) == (want_tag, want_step)
         assert value == want or (np.isnan(value) and np.isnan(want))
