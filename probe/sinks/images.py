@@ -18,7 +18,9 @@ anything else (user metrics)           log10        [1e-6, 1e6]
 
 The colour map is viridis (dark purple = low, yellow = high); grey cells are heads a site does
 not have or NaN values (nothing valid to average). A collapsing head is a dark cell in the
-``entropy`` map and a bright one in ``max_prob`` / ``saturation``.
+``entropy`` map and a bright one in ``max_prob`` / ``saturation``. The title says which scale
+the map is at and, for any but ``actual``, that it is a counterfactual: the same q and k at
+another scale, not what the model computes.
 
 The colour arithmetic is numpy; Pillow (a dependency of ``tensorboard``) draws the text.
 """
@@ -33,7 +35,7 @@ import numpy as np
 
 from probe import metrics
 
-__all__ = ["ColourScale", "colour_scale", "colourize", "grid_of", "render_heatmap"]
+__all__ = ["ColourScale", "SCALE_WORDS", "colour_scale", "colourize", "grid_of", "render_heatmap", "scale_words"]
 
 # viridis, sampled at 9 evenly spaced points (matplotlib's table); linear in between.
 _VIRIDIS = np.array(
@@ -144,6 +146,19 @@ def _fmt_tick(v: float) -> str:
     return f"{v:g}"
 
 
+#: What each scale's map shows, on the line under its title (ASCII: the default font has no σ or √).
+SCALE_WORDS = {
+    "actual": "what the model computes",
+    "unscaled": "what if: the same q, k at scale 1 (no divisor)",
+    "standard": "what if: the same q, k at scale 1/sqrt(d_k)",
+}
+
+
+def scale_words(scale: str) -> str:
+    """The words under a map's title: what the model computes, or which counterfactual."""
+    return SCALE_WORDS.get(scale, f"what if: the same q, k at scale {_shorten(scale, 24)}")
+
+
 def _shorten(text: str, limit: int = 42) -> str:
     return text if len(text) <= limit else "…" + text[-(limit - 1):]
 
@@ -182,7 +197,7 @@ def render_heatmap(
     label_w = max([_text_length(t, 11) for t in labels] + [40])
 
     left = int(label_w) + 14
-    top = 60
+    top = 74
     bar_gap, bar_w = 18, 16
     grid_w, grid_h = n_heads * cw, n_sites * ch
     tick_w = max(_text_length(_fmt_tick(t), 11) for t in cs.ticks)
@@ -190,13 +205,15 @@ def render_heatmap(
     bar_h = max(grid_h, 120)
     height = top + max(bar_h, grid_h + 34) + 12
     title = f"{metric} @ {scale}, step {step}"
+    words = scale_words(scale)
     note = f"fixed range [{_fmt_tick(cs.lo)}, {_fmt_tick(cs.hi)}] {cs.transform}, grey = none"
-    width = max(width, int(_text_length(title, 13)) + 16, int(_text_length(note, 11)) + 16)
+    width = max(width, *(int(_text_length(t, size)) + 16 for t, size in ((title, 13), (words, 11), (note, 11))))
 
     img = Image.new("RGB", (width, height), _BACKGROUND)
     draw = ImageDraw.Draw(img)
     draw.text((8, 6), title, fill=_INK, font=font)
-    _text(img, (8, 24), note, 11, (90, 90, 90))
+    _text(img, (8, 24), words, 11, _INK if scale == "actual" else (170, 60, 20))
+    _text(img, (8, 38), note, 11, (90, 90, 90))
 
     cells = colourize(grid, cs)  # (S, H, 3)
     block = np.repeat(np.repeat(cells, ch, axis=0), cw, axis=1)

@@ -322,3 +322,20 @@ def test_scalar_tags_of_this_and_earlier_layouts_read_back():
     for tag in ("attention/entropy", "probe.entropy.heatmap/actual", "probe.entropy.hist/actual", "loss/train",
                 "probe.entropy@actual/l.1/x", "probe.@actual/l.1", "probe.entropy@/l.1", "probe.a.b@actual/l.1"):
         assert parse_scalar_tag(tag) is None, tag
+
+
+def test_a_counterfactual_heatmap_says_it_is_one():
+    from probe.sinks.images import scale_words
+
+    assert scale_words("actual") == "what the model computes"
+    assert scale_words("unscaled") == "what if: the same q, k at scale 1 (no divisor)"
+    assert scale_words("standard") == "what if: the same q, k at scale 1/sqrt(d_k)"
+    assert scale_words("half") == "what if: the same q, k at scale half"
+    grid = np.array([[0.9, 0.01]])
+    actual, unscaled = (render_heatmap(grid, ["a"], "entropy", s, 3) for s in ("actual", "unscaled"))
+    width = min(actual.shape[1], unscaled.shape[1])  # the longer line makes a wider image
+    actual, unscaled = actual[:, :width], unscaled[:, :width]
+    # the line under the title differs, in another colour; the cells are the same
+    assert (actual[24:36] != unscaled[24:36]).any()
+    assert (unscaled[24:36, :, 0].astype(int) - unscaled[24:36, :, 2] > 100).any()  # the counterfactual's orange-red
+    assert (actual[74:90] == unscaled[74:90]).all()
