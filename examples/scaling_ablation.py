@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 import torch
 
 import probe
-from probe.cli.demo import DemoConfig, TinyTransformer, copy_batch, copy_loss
+from probe.cli.demo_model import DemoConfig, TinyTransformer, copy_batch, copy_loss
 
 RUNS = ("scaled", "unscaled", "headwise")
 COLUMNS = ("entropy", "saturation", "grad_logits")
@@ -96,7 +96,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, object]]:
     parser.add_argument("--batch", type=int, default=32, help="sequences per step (default 32)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    config = DemoConfig(d_model=256, heads=1, layers=2, steps=args.steps, batch=args.batch, seed=args.seed)
+    config = DemoConfig(task="copy", length=12, d_model=256, heads=1, layers=2, steps=args.steps, batch=args.batch,
+                        seed=args.seed)
     print(f"copy task, {config.layers} layers, 1 head, d_k = 256, {args.steps} steps per run, "
           f"probing every {args.every}; values are means over probed steps, at each run's own scale")
     results: Dict[str, Dict[str, object]] = {}

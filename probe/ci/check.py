@@ -3,7 +3,7 @@
 A run is a ``probe_summary.json`` (written by ``probe.watch(model, logdir=...)`` on close), or a
 directory holding one; without that file, the TensorBoard event files of the directory are read
 (see :mod:`probe.ci.runs`). A directory holding neither is searched for runs below it, and each is
-judged: ``probe check runs/demo`` judges ``runs/demo/scaled`` and ``runs/demo/unscaled`` and exits
+judged: ``probe check runs/demo`` judges ``runs/demo/with-divisor`` and ``runs/demo/no-divisor`` and exits
 with the worst verdict. Every output says which source and which probed steps its values come from.
 """
 

@@ -2,7 +2,7 @@
 
 A run is a directory holding ``probe_summary.json`` (written by ``probe.watch(model, logdir=...)``)
 or TensorBoard event files, or one such file. A directory holding neither is a parent: every run
-below it is found (``runs/demo`` holds ``runs/demo/scaled`` and ``runs/demo/unscaled``).
+below it is found (``runs/demo`` holds ``runs/demo/with-divisor`` and ``runs/demo/no-divisor``).
 
 The summary holds run totals only. The event files hold one value per probed step and tag (head
 aggregates, or each head with ``per_head=True``): they are what a step window (``--last N``,

@@ -1,13 +1,11 @@
-"""``probe demo``: a small transformer trained with and without the 1/sqrt(d_k) divisor.
+"""``probe demo``: a small transformer trained with and without the 1/sqrt(d_k) divisor, side by side.
 
-The model is a pre-LN causal transformer that uses ``F.scaled_dot_product_attention``; its
-projections are initialised so that q and k have unit variance, the setting of the scaling
-argument: the dot products then have variance d_k, which the divisor brings back to 1. The task
-is copying a random sequence (``a1 .. an SEP a1 .. an``), which needs attention to work.
-
-Each run writes its training loss (``loss/train``) beside probe's scalars in its own TensorBoard
-run directory; a directory that already holds a run is never written into again (``scaled-2``,
-``unscaled-2``, ... are used instead), so TensorBoard never mixes two runs' steps.
+The model and the majority task are in :mod:`probe.cli.demo_model`. Each run writes its training
+loss (``loss/train``) beside probe's scalars in its own TensorBoard run directory, named
+``with-divisor`` and ``no-divisor`` (never a scale name: TensorBoard shows scales and runs side by
+side); a directory that already holds a run is never written into again (``with-divisor-2``, ...),
+so TensorBoard never mixes two runs' steps. The terminal gets a per-layer table, a reading of the
+two runs from their own numbers and the verdicts of ``probe check``'s default thresholds.
 """
 
 from __future__ import annotations
@@ -15,99 +13,22 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, TextIO
+from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 import probe
+from probe.cli.demo_model import DemoConfig, TinyTransformer, copy_batch, copy_loss, majority_batch, majority_bound
+from probe.cli.demo_model import majority_loss
 from probe.names import printable
 from probe.sinks.base import BaseSink
 from probe.metrics import head_reduce
 
-__all__ = ["DemoConfig", "TinyTransformer", "copy_batch", "format_table", "run_demo", "train"]
-
-
-@dataclass
-class DemoConfig:
-    vocab: int = 16
-    length: int = 12  # tokens to copy; a sequence is 2 * length + 1 long
-    d_model: int = 256
-    heads: int = 2  # d_k = 128: large enough for the unscaled logits to saturate
-    layers: int = 2
-    batch: int = 32
-    steps: int = 100  # the scaled run has learned the copy by step ~20; the unscaled one stalls near loss 2
-    lr: float = 3e-3
-    every: int = 5
-    seed: int = 0
-
-
-class Attention(nn.Module):
-    def __init__(self, d_model: int, heads: int, scale: Optional[float]) -> None:
-        super().__init__()
-        self.heads = heads
-        self.scale = scale  # None: SDPA's default 1/sqrt(d_k)
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.out = nn.Linear(d_model, d_model, bias=False)
-        nn.init.normal_(self.qkv.weight, std=d_model**-0.5)  # unit-variance q, k, v
-        nn.init.normal_(self.out.weight, std=d_model**-0.5)
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, n, d = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        return self.out(y.transpose(1, 2).reshape(b, n, d))
-
-
-class Block(nn.Module):
-    def __init__(self, d_model: int, heads: int, scale: Optional[float]) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(d_model)
-        self.attn = Attention(d_model, heads, scale)
-        self.norm2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 2 * d_model), nn.GELU(), nn.Linear(2 * d_model, d_model))
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class TinyTransformer(nn.Module):
-    """A causal transformer small enough to train on 2 CPU cores in seconds.
-
-    Args:
-        scale: the attention scale; ``None`` is SDPA's ``1/sqrt(d_k)``, ``1.0`` is unscaled.
-    """
-
-    def __init__(self, config: DemoConfig, scale: Optional[float] = None) -> None:
-        super().__init__()
-        n = 2 * config.length + 1
-        self.embed = nn.Embedding(config.vocab + 1, config.d_model)
-        self.pos = nn.Parameter(torch.randn(n, config.d_model))
-        self.blocks = nn.ModuleList(Block(config.d_model, config.heads, scale) for _ in range(config.layers))
-        self.norm = nn.LayerNorm(config.d_model)
-        self.head = nn.Linear(config.d_model, config.vocab + 1)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
-def copy_batch(config: DemoConfig, generator: torch.Generator) -> Tensor:
-    """Random ``a1 .. an SEP a1 .. an`` sequences (SEP is token ``vocab``)."""
-    a = torch.randint(0, config.vocab, (config.batch, config.length), generator=generator)
-    sep = torch.full((config.batch, 1), config.vocab)
-    return torch.cat([a, sep, a], dim=1)
-
-
-def copy_loss(model: nn.Module, tokens: Tensor, length: int) -> Tensor:
-    """Cross-entropy on the copied half only (the first half is unpredictable)."""
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits[:, length:].reshape(-1, logits.shape[-1]), tokens[:, length + 1 :].reshape(-1))
+__all__ = [
+    "RUNS", "DemoConfig", "TinyTransformer", "copy_batch", "copy_loss", "facts", "format_table", "majority_batch",
+    "majority_bound", "majority_loss", "reading", "run_demo", "train", "verdict",
+]
 
 
 class _Steps(BaseSink):
@@ -120,11 +41,17 @@ class _Steps(BaseSink):
         self.by_step[step] = summary
 
 
+#: The tag of the demo's training loss: its own TensorBoard group, beside probe's.
+LOSS_TAG = "loss/train"
+
+
 def train(config: DemoConfig, scale: Optional[float], logdir: Optional[str]) -> Dict[str, Any]:
-    """Train one model under probe, logging its loss beside probe's scalars.
+    """Train one model on the majority task under probe, logging its loss beside probe's scalars.
 
     Returns:
-        ``loss`` (mean of the last 10 steps), ``first_loss``, ``summary`` (the run's
+        ``losses`` (every step's), ``loss`` (mean of the last 10 steps), ``first_loss``,
+        ``counting`` and ``one_token`` (:func:`majority_bound` with every token so far and with
+        the current token alone, means over the last 10 batches), ``summary`` (the run's
         :class:`probe.Summary`) and ``steps`` (probed step -> that step's :class:`probe.Summary`).
     """
     torch.manual_seed(config.seed)
@@ -132,6 +59,7 @@ def train(config: DemoConfig, scale: Optional[float], logdir: Optional[str]) -> 
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
     gen = torch.Generator().manual_seed(config.seed + 1)
     losses: List[Tensor] = []
+    bounds: List[Tuple[float, float]] = []
     writer = None
     if logdir is not None:
         from torch.utils.tensorboard import SummaryWriter
@@ -141,18 +69,23 @@ def train(config: DemoConfig, scale: Optional[float], logdir: Optional[str]) -> 
     try:
         with probe.watch(model, logdir=writer, every=config.every, sinks=[steps]) as p:
             for step in range(config.steps):
-                loss = copy_loss(model, copy_batch(config, gen), config.length)
+                tokens, hidden = majority_batch(config, gen)
+                loss = majority_loss(model, tokens, hidden)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
                 losses.append(loss.detach())
+                if step >= config.steps - 10:
+                    bounds.append((majority_bound(config, tokens, hidden), majority_bound(config, tokens, hidden, 1)))
                 if writer is not None:
-                    writer.add_scalar("loss/train", loss.item(), step)
+                    writer.add_scalar(LOSS_TAG, loss.item(), step)
     finally:
         if writer is not None:
             writer.close()
-    tail = torch.stack(losses[-10:]).mean().item()
-    return {"loss": tail, "first_loss": losses[0].item(), "summary": p.summary(), "steps": steps.by_step}
+    values = [x.item() for x in losses]
+    return {"losses": values, "loss": sum(values[-10:]) / len(values[-10:]), "first_loss": values[0],
+            "counting": sum(b for b, _ in bounds) / len(bounds), "one_token": sum(a for _, a in bounds) / len(bounds),
+            "summary": p.summary(), "steps": steps.by_step}
 
 
 #: Table columns: (key, heading). Each is the head mean at the model's own scale, except
@@ -249,6 +182,91 @@ def _mean_over_sites(result: Dict[str, Any], step: int, key: str) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+def _max_over_sites(result: Dict[str, Any], step: int, key: str) -> float:
+    summary = result["steps"].get(step)
+    values = [_cell(summary, site, key) for site in (summary.sites if summary else [])]
+    values = [v for v in values if not math.isnan(v)]
+    return max(values) if values else math.nan
+
+
+#: The two runs: (name, attention scale); ``None`` is SDPA's 1/sqrt(d_k). The names are not
+#: scale names (``actual``, ``standard``, ``unscaled``), which TensorBoard shows beside them.
+RUNS = (("with-divisor", None), ("no-divisor", 1.0))
+WITH, WITHOUT = (name for name, _ in RUNS)
+#: What the reading calls saturated rows, collapsed and spread attention (head means, at the model's scale).
+COLLAPSED, SPREAD = 0.1, 0.5
+
+
+def _window_mean(losses: List[float], start: int, stop: int) -> float:
+    part = losses[max(0, start):max(0, stop)]
+    return sum(part) / len(part) if part else math.nan
+
+
+def verdict(summary: probe.Summary) -> Dict[str, Any]:
+    """The run against ``probe check``'s default thresholds (``logit_max < 100``, ``nonfinite <= 0``):
+    ``ok``, ``violations`` (how many heads break one), ``thresholds`` and ``logit_max``, the
+    largest max logit of any head over the run, the value ``probe check`` judges."""
+    from probe.ci.thresholds import as_thresholds, evaluate
+
+    rules = as_thresholds(None)
+    judged = evaluate(summary, rules)
+    bad = [v for v in judged if not v.ok]
+    maxima = [v.value for v in judged if v.metric == "logit_max" and not math.isnan(v.value)]
+    return {"ok": not bad, "violations": len(bad), "thresholds": [str(t) for t in rules],
+            "logit_max": max(maxima) if maxima else math.nan}
+
+
+def facts(results: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
+    """Per run, the numbers the reading states: at the first and last probed step (``*_first``,
+    ``*_last``) the head means over both layers of entropy, saturation and grad ratio and the
+    largest max logit; the loss at the start, its mean over the middle ten and the last ten
+    steps; the counting and one-token bounds; the verdict of the default thresholds."""
+    out: Dict[str, Dict[str, float]] = {}
+    for name, result in results.items():
+        first, last = _ends(result)[0], _ends(result)[-1]
+        losses = result["losses"]
+        middle = len(losses) // 2
+        row: Dict[str, Any] = {"first": first, "last": last}
+        for key in ("entropy", "saturation", "grad_ratio"):
+            row[f"{key}_first"] = _mean_over_sites(result, first, key)
+            row[f"{key}_last"] = _mean_over_sites(result, last, key)
+        row["logit_max_first"] = _max_over_sites(result, first, "logit_max")
+        row["logit_max_last"] = _max_over_sites(result, last, "logit_max")
+        row.update(loss_first=result["first_loss"], loss_middle=_window_mean(losses, middle - 5, middle + 5),
+                   loss_last=result["loss"], middle=middle, counting=result["counting"], one_token=result["one_token"])
+        row["verdict"] = verdict(result["summary"])
+        out[name] = row
+    return out
+
+
+def _pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.0%}"
+
+
+def _entropy_word(x: float) -> str:
+    if math.isnan(x):
+        return "not measured"
+    return "collapsed onto one token" if x < COLLAPSED else "spread over the tokens" if x > SPREAD else "sharpened"
+
+
+def _progress(row: Dict[str, Any]) -> str:
+    """Where the run's loss ended between the two bounds of its batches: nearer what the current
+    token alone scores (attention that sees one token), or nearer what counting scores."""
+    nearer_one = abs(row["loss_last"] - row["one_token"]) < abs(row["loss_last"] - row["counting"])
+    return "stalls nearer the one-token score" if nearer_one else "nears the counting score"
+
+
+def _verdict_line(name: str, v: Dict[str, Any]) -> str:
+    limit = 100.0  # the default logit_max < 100 (QK-Clip's tau)
+    m = v["logit_max"]
+    if v["ok"]:
+        margin = f", {limit / m:.0f}x below the limit" if m > 0 else ""
+        return f"  {name:<12}  PASS  largest max logit {_num(m)}{margin}"
+    heads = v["violations"]
+    return (f"  {name:<12}  FAIL  largest max logit {_num(m)}, {m / limit:.0f}x the limit "
+            f"({heads} head value{'s' if heads != 1 else ''} over a threshold)")
+
+
 def _ratio_words(ratio: float, first: bool) -> str:
     """``ratio`` (no divisor over 1/sqrt(d_k)) in words."""
     if math.isnan(ratio):
@@ -263,26 +281,40 @@ def _ratio_words(ratio: float, first: bool) -> str:
 
 
 def reading(results: Dict[str, Dict[str, Any]], d_k: int) -> str:
-    """A few lines that read the difference between the runs, from the numbers (not a script)."""
-    scaled, unscaled = results["scaled"], results["unscaled"]
-    first, last = _ends(scaled)[0], _ends(unscaled)[-1]
-    e_s, e_u = (_mean_over_sites(r, first, "entropy") for r in (scaled, unscaled))
-    s_s, s_u = (_mean_over_sites(r, first, "saturation") for r in (scaled, unscaled))
-    r_first, r_last = (_mean_over_sites(unscaled, step, "grad_ratio") for step in (first, last))
-    m_last = max(_cell(unscaled["steps"].get(last), site, "logit_max") for site in unscaled["summary"].sites)
+    """What the two runs show, line by line, from their own numbers (:func:`facts`)."""
+    f = facts(results)
+    w, o = f[WITH], f[WITHOUT]
+    a, b = o["first"], o["last"]
     lines = [
-        f"Reading: at step {first}, before any learning, attention entropy is {e_u:.2f} without 1/√{d_k} and "
-        f"{e_s:.2f} with it;",
-        f"  {s_u:.0%} of rows are saturated without it, {s_s:.0%} with it.",
-        f"  Softmax gradient for the same q, k and upstream gradient (grad ratio): without the divisor it is",
-        f"  {_ratio_words(r_first, True)} at step {first}",
+        f"Reading (head means over both layers at the model's own scale; step {a}: before any learning):",
+        f"  Saturated rows (99% of the weight on one token): without 1/√{d_k} {_pct(o['saturation_first'])} at step "
+        f"{a} and {_pct(o['saturation_last'])} at step {b}; with it {_pct(w['saturation_first'])} and "
+        f"{_pct(w['saturation_last'])}.",
+        f"  Entropy (1 = weight spread evenly over the tokens so far, 0 = all on one): without the divisor "
+        f"{o['entropy_first']:.2f} -> {o['entropy_last']:.3f}, {_entropy_word(o['entropy_last'])}; with it "
+        f"{w['entropy_first']:.2f} -> {w['entropy_last']:.2f}, {_entropy_word(w['entropy_last'])}"
+        f"{', which counting needs' if w['entropy_last'] > SPREAD else ''}.",
+        f"  Max logit (largest head): without the divisor {_num(o['logit_max_first'])} -> {_num(o['logit_max_last'])}; "
+        f"with it {_num(w['logit_max_first'])} -> {_num(w['logit_max_last'])}.",
+        "  Softmax gradient for the same q, k and upstream gradient (grad ratio): without the divisor it is",
+        f"  {_ratio_words(o['grad_ratio_first'], True)} at step {a}",
     ]
-    if last != first:
-        lines[-1] += f", and {_ratio_words(r_last, False)} at step {last} (max logit {m_last:,.0f})."
+    if b != a:
+        lines[-1] += f", and {_ratio_words(o['grad_ratio_last'], False)} at step {b}."
     else:
         lines[-1] += "."
-    lines.append(f"  Loss {unscaled['first_loss']:.3f} -> {unscaled['loss']:.3f} without the divisor, "
-                 f"{scaled['first_loss']:.3f} -> {scaled['loss']:.3f} with it.")
+    mid = o["middle"]
+    if len(results[WITHOUT]["losses"]) >= 20:
+        lines.append(f"  Loss at step 0, mean of steps {mid - 5}-{mid + 4}, of the last 10: without the divisor "
+                     f"{o['loss_first']:.2f}, {o['loss_middle']:.2f}, {o['loss_last']:.2f}; with it "
+                     f"{w['loss_first']:.2f}, {w['loss_middle']:.2f}, {w['loss_last']:.2f}.")
+    else:
+        lines.append(f"  Loss: without the divisor {o['loss_first']:.2f} -> {o['loss_last']:.2f}, with it "
+                     f"{w['loss_first']:.2f} -> {w['loss_last']:.2f} (mean of the last 10 steps).")
+    lines.append(f"  On the same batches counting every token so far scores {w['counting']:.2f}, the current token alone "
+                 f"{w['one_token']:.2f}: without the divisor the loss {_progress(o)}, with it the loss {_progress(w)}.")
+    lines.append("Verdicts of probe check's default thresholds (" + ", ".join(w["verdict"]["thresholds"]) + "):")
+    lines += [_verdict_line(name, f[name]["verdict"]) for name in (WITH, WITHOUT)]
     return "\n".join(lines)
 
 
@@ -300,26 +332,28 @@ def _fresh_dirs(logdir: str, names: List[str]) -> List[str]:
 
 
 def run_demo(steps: int = 100, logdir: str = "runs/demo", out: Optional[TextIO] = None, seed: int = 0) -> Dict[str, Dict[str, Any]]:
-    """Train the demo model with standard scaling and without, print the comparison."""
+    """Train the demo model with the divisor and without, print the comparison."""
     import sys
 
     out = out or sys.stdout
     config = DemoConfig(steps=steps, seed=seed)
     d_k = config.d_model // config.heads
     probed = len(range(0, steps, config.every))
-    print(f"probe demo: copy task, {config.layers} layers, {config.heads} heads, d_k = {d_k}, {steps} steps per run, "
-          f"probing every {config.every}th ({probed} probed steps)", file=out)
-    runs = [("scaled", None), ("unscaled", 1.0)]
-    dirs = _fresh_dirs(logdir, [name for name, _ in runs])
-    if dirs[0] != os.path.join(logdir, "scaled"):
+    threads = torch.get_num_threads()
+    print(f"probe demo: the majority task ({config.length} tokens from {config.vocab}; each is a hidden token with "
+          f"chance {config.signal:.0%}, noise otherwise; name the hidden token at every position),\n"
+          f"  {config.layers} layers, {config.heads} heads, d_k = {d_k}, {steps} steps per run, probing every "
+          f"{config.every}th ({probed} probed steps), {threads} torch thread{'s' if threads != 1 else ''}", file=out)
+    dirs = _fresh_dirs(logdir, [name for name, _ in RUNS])
+    if dirs[0] != os.path.join(logdir, RUNS[0][0]):
         print(f"  {logdir} already holds a demo run: this one goes to {dirs[0]} and {dirs[1]} "
               f"(TensorBoard shows both; delete the older ones to see only this)", file=out)
     results: Dict[str, Dict[str, Any]] = {}
-    for (name, scale), folder in zip(runs, dirs):
+    for (name, scale), folder in zip(RUNS, dirs):
         start = time.perf_counter()
         results[name] = train(config, scale, folder)
         label = f"1/√{d_k}" if scale is None else "1 (no divisor)"
-        print(f"  {name:<9} scale {label:<15} loss {results[name]['first_loss']:.3f} -> "
+        print(f"  {name:<12} scale {label:<15} loss {results[name]['first_loss']:.3f} -> "
               f"{results[name]['loss']:.3f} (mean of the last 10 steps)  "
               f"{time.perf_counter() - start:.1f} s  -> {folder}", file=out)
     print("", file=out)
@@ -332,7 +366,9 @@ def run_demo(steps: int = 100, logdir: str = "runs/demo", out: Optional[TextIO] 
         print(estimated, file=out)
     print("", file=out)
     print(reading(results, d_k), file=out)
+    print("", file=out)
     print(f"See it in TensorBoard:  tensorboard --logdir {logdir} --samples_per_plugin images=100", file=out)
-    print("                        (in its Settings, untick 'Ignore outliers in chart scaling' to see step 0)", file=out)
+    print("                        (it opens on the group 'attention'; to see step 0, untick Settings >"
+          " 'Ignore outliers in chart scaling')", file=out)
     print(f"Judge it as CI would:   probe check {logdir}", file=out)
     return results

@@ -50,7 +50,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     import torch
 
     from probe.experiment.compare import compare
-    from probe.cli.demo import DemoConfig, TinyTransformer, copy_batch, copy_loss
+    from probe.cli.demo_model import DemoConfig, TinyTransformer, majority_batch, majority_loss
     from probe.errors import ProbeError
 
     config = DemoConfig(seed=args.seed, batch=args.batch)
@@ -61,18 +61,19 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
         for _ in range(args.train_steps):
             opt.zero_grad(set_to_none=True)
-            copy_loss(model, copy_batch(config, gen), config.length).backward()
+            majority_loss(model, *majority_batch(config, gen)).backward()
             opt.step()
-    batch = copy_batch(config, gen)
+    batch = majority_batch(config, gen)
     scales = args.scale or ["actual", "unscaled"]
     try:
-        result = compare(model, batch, lambda m, b: copy_loss(m, b, config.length), scales=scales)
+        result = compare(model, batch, lambda m, b: majority_loss(m, *b), scales=scales)
     except ProbeError as err:
         print(f"probe compare: error: {err}", file=sys.stderr)
         return ExitCode.USAGE
     d_k = config.d_model // config.heads
     print(f"probe compare: demo model ({config.layers} layers, {config.heads} heads, d_k = {d_k}, "
-          f"actual scale 1/√{d_k}), {args.train_steps} training steps, one batch of {config.batch}")
+          f"actual scale 1/√{d_k}), {args.train_steps} training steps on the demo's majority task, "
+          f"one batch of {config.batch}")
     print(result.table())
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -87,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"probe {__version__} (attention-probe)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = sub.add_parser("demo", help="train a small transformer with and without scaling, log to TensorBoard")
+    demo = sub.add_parser("demo", help="train a small transformer with and without the 1/sqrt(d_k) divisor, log both "
+                                       "to TensorBoard, print what differs and the verdicts of probe check")
     demo.add_argument("--steps", type=positive_int, default=100, help="training steps per run (default 100)")
     demo.add_argument("--logdir", default="runs/demo", help="TensorBoard directory (default runs/demo)")
     demo.add_argument("--seed", type=int, default=0)
