@@ -12,7 +12,7 @@ writes into the Trainer's own TensorBoard run:
 
 What the dashboard shows: ``train/loss`` falls from ln 32 = 3.47 towards the floor of the task
 (about 1.7: the first half stays random) around step 100, when the heads learn the copy:
-``probe.entropy/actual`` of ``model.layers.1.self_attn`` falls from near 1 (attention spread over
+``probe.entropy@actual`` of ``model.layers.1.self_attn`` falls from near 1 (attention spread over
 the prefix) as its heads lock onto the token half a sequence back, and ``probe.logit_max`` rises.
 
 Add ``stop_on_violation=True`` to end training at the first probed step that breaks a limit.

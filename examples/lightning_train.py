@@ -13,7 +13,7 @@ attention of one optimizer step in 10, on the steps Lightning logs ``train_loss`
 
 What the dashboard shows: ``train_loss`` falls from ln 32 = 3.47 towards the floor of the task
 (about 1.7: the first half stays random) around step 90, when the heads learn the copy:
-``probe.entropy/actual`` of ``encoder.layers.1.self_attn`` falls from near 1 (attention spread
+``probe.entropy@actual`` of ``encoder.layers.1.self_attn`` falls from near 1 (attention spread
 over the prefix) as its heads lock onto the token half a sequence back, and ``probe.max_prob``
 rises towards 1.
 

@@ -153,7 +153,7 @@ def test_a_module_whose_training_step_calls_its_parts_is_recorded_whole(tmp_path
     assert tags["loss"] == probe_steps(tags) == [0, 1, 2, 3]
     sites = ["enc.layers.0", "enc.layers.1"]
     for site in sites:  # forward and backward statistics of the parts training_step calls
-        assert f"probe.entropy/actual/{site}" in tags and f"probe.grad_logits/actual/{site}" in tags
+        assert f"probe.entropy@actual/{site}" in tags and f"probe.grad_logits@actual/{site}" in tags
     # both micro-batches of each step; the sanity check and validation (which call self.enc too) are not
     assert rec.writes == [(n, {s: 2 * (n + 1) for s in sites}) for n in range(4)]
     summary = cb.probe.summary()
@@ -173,7 +173,7 @@ def test_manual_optimization_with_two_optimizers_counts_one_step_a_batch(tmp_pat
     tags = run_tags(tmp_path)
     assert tags["loss_d"] == probe_steps(tags) == [1, 3]  # every=2 probes what log_every_n_steps=2 logs
     for site in ("generator.layers.0", "critic.layers.0"):
-        assert f"probe.grad_q/actual/{site}" in tags
+        assert f"probe.grad_q@actual/{site}" in tags
     # per sampled batch: the generator ran once, the critic twice (on the detached and the live fake)
     assert rec.writes == [(1, {"generator.layers.0": 1, "critic.layers.0": 2}),
                           (3, {"generator.layers.0": 2, "critic.layers.0": 4})]
@@ -303,5 +303,5 @@ def test_a_module_wrapping_a_hugging_face_model_with_eager_attention(tmp_path, r
     tags = run_tags(tmp_path)
     assert tags["loss"] == probe_steps(tags) == [0, 1]
     assert cb.probe.summary().sites == ["model.model.layers.0.self_attn", "model.model.layers.1.self_attn"]
-    assert "probe.grad_logits/actual/model.model.layers.1.self_attn" in tags
+    assert "probe.grad_logits@actual/model.model.layers.1.self_attn" in tags
     assert not [w for w in recwarn if str(w.message).startswith("probe:")]  # the audit of the whole step: no miss
