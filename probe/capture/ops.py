@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["ATTENTION", "CAST", "DETACH", "DIV", "DROPOUT", "EINSUM", "EXP", "FACTORY", "FLOOR", "INDEX",
-           "LINEAR", "LOG_SOFTMAX", "LSE", "MASKED_FILL", "NAN_TO_NUM", "MAX", "MUL", "NEG", "NORM", "OTHER", "PERMUTE", "PRODUCT",
+           "LINEAR", "LOG_SOFTMAX", "LSE", "MASKED_FILL", "MEAN", "NAN_TO_NUM", "MAX", "MUL", "NEG", "NORM", "OTHER", "PERMUTE", "PRODUCT",
            "RECIPROCAL", "RSUB", "SETITEM", "SOFTMAX", "SUM", "ADD", "SUB", "TANH", "TRANSPOSE", "VIEW", "WHERE", "BADDBMM",
            "CONV", "DISTANCE", "JOIN", "COPY", "CLAMP", "EXPAND", "FIRST", "LINEAR_IN", "OPS", "STARTS", "CUTS", "funcs_of", "kind_of", "name_of", "tensors"]
 
@@ -58,6 +58,7 @@ LOG_SOFTMAX = "log_softmax"
 EXP = "exp"
 LSE = "logsumexp"
 SUM = "sum"
+MEAN = "mean"
 MAX = "max"                  # a reduction over a dim (amax, max(dim=...)); torch.max(x, y) is a FLOOR
 LINEAR = "linear"            # F.linear: a contraction of the last dim with a weight
 CONV = "conv"
@@ -121,6 +122,7 @@ _SPELLINGS: List[tuple] = [
     (EXP, "exp exp_", (torch.exp,)),
     (LSE, "logsumexp", (torch.logsumexp,)),
     (SUM, "sum", (torch.sum,)),
+    (MEAN, "mean", (torch.mean,)),
     (MAX, "amax max", (torch.amax, torch.max)),
     (LINEAR, "", (F.linear,)),
     (CONV, "", (F.conv1d, F.conv2d, torch.conv1d, torch.conv2d)),
@@ -153,7 +155,7 @@ STARTS: FrozenSet[str] = frozenset({PRODUCT, BADDBMM, EINSUM, MUL, DIV, VIEW, LI
 #: kinds whose data is their first argument only (``t.type_as(other)``, ``t.view_as(other)``,
 #: ``F.linear(t, w)``): the tracer's rule is decided by its record alone
 FIRST: FrozenSet[str] = frozenset({CAST, DETACH, VIEW, TRANSPOSE, PERMUTE, EXPAND, INDEX, DROPOUT, TANH, SOFTMAX,
-                                   LOG_SOFTMAX, EXP, LSE, SUM, MAX, NORM, LINEAR, CONV, FACTORY, MASKED_FILL, NEG,
+                                   LOG_SOFTMAX, EXP, LSE, SUM, MEAN, MAX, NORM, LINEAR, CONV, FACTORY, MASKED_FILL, NEG,
                                    RECIPROCAL})
 #: kinds that end scores in the audit's eyes (a contraction of the key dim with a weight: an output
 #: layer), unless they contract another dim (a linear mix over heads: talking heads)

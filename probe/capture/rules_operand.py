@@ -33,7 +33,8 @@ from probe.capture.rules import Op, rule
 
 __all__: List[str] = []
 
-_STRUCTURAL = (K.VIEW, K.TRANSPOSE, K.PERMUTE, K.INDEX, K.JOIN, K.EXPAND, K.CAST, K.DETACH, K.NEG)
+#: ops linear in every tensor they take: a factor on their input is a factor on their output
+_STRUCTURAL = (K.VIEW, K.TRANSPOSE, K.PERMUTE, K.INDEX, K.JOIN, K.EXPAND, K.CAST, K.DETACH, K.NEG, K.SUM, K.MEAN)
 _ALL = (Scores, Slice, Moved, Shift, LogProbs, Exp, ExpSum, Probs, Derived, Operand)
 
 
@@ -150,8 +151,9 @@ def linear_sum(tracer: Any, op: Op) -> None:
 # -- ops linear in every tensor they take: replayed on the unscaled bases -----------------------------
 @rule(_STRUCTURAL, Operand)
 def replay(tracer: Any, op: Op) -> None:
-    """A view, a part, a permutation, a join, ``neg`` or a cast: replayed on the unscaled bases
-    (every tensor input must carry the same factor), layout facts kept where the op keeps them."""
+    """A view, a part, a permutation, a join, ``neg``, a cast, a sum or mean (Nyströmformer's
+    landmarks: means of segments of the scaled q and k): replayed on the unscaled bases (every tensor
+    input must carry the same factor), layout facts kept where the op keeps them."""
     x = op.args[0] if op.args else None
     data = op.args[:1] if op.kind in K.FIRST else (*op.args, *op.kwargs.values())  # not type_as's `other`
     inputs = [t for a in data for t in K.tensors(a)]

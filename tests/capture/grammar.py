@@ -13,6 +13,9 @@ bias, the softmax spelling, and sometimes an op probe does not model (a *hazard*
 per query head), the scale, the additive bias that is not a mask, the valid keys, and its own
 probabilities. :func:`judge` compares a probe summary with it: ``exact``, ``named`` (a warning
 names the site) or ``silent``.
+
+Other tests reuse the grammar (QK-Clip's ``tests/capture/test_provenance_generative.py``): a new
+choice goes at the END of :data:`CHOICES`, so that every seed keeps drawing what it drew before.
 """
 
 from __future__ import annotations

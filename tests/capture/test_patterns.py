@@ -961,3 +961,19 @@ def test_a_per_head_constant_bias_is_measured() -> None:
     net, s, warned = run(core_zero_head_bias)
     check(net, s, S0)
     assert not warned, warned
+
+
+def core_landmarks(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    # Nyströmformer: q and k scaled, then means of segments (landmarks): still the same factor
+    qs, ks = q / D ** 0.25, k / D ** 0.25
+    k_land = torch.cat((ks, ks[:, :, :1]), 2).reshape(B, H, 2, (L + 1) // 2, D).mean(dim=-2)
+    m.raw = (q.detach().double(), torch.cat((k, k[:, :, :1]), 2).reshape(B, H, 2, (L + 1) // 2, D).mean(-2).detach()
+             .double())
+    p = keep(m, (qs @ k_land.transpose(-1, -2)).softmax(-1))
+    return p @ v[:, :, :2]
+
+
+def test_means_of_a_scaled_operand_keep_its_factor() -> None:
+    net, s, warned = run(core_landmarks)
+    check(net, s, S0)
+    assert not warned, warned
