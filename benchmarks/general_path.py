@@ -46,8 +46,12 @@ def _cases(seed: int = 0) -> Dict[str, dict]:
 
 def _arms(module: str, case: dict, rows: Optional[int]) -> Dict[str, Callable[[], object]]:
     call_mod = importlib.import_module(f"{module}.call")
-    functional = importlib.import_module(f"{module}.stats.functional")
-    grads = importlib.import_module(f"{module}.stats.grads")
+    try:  # the plan → paths → reducer layout (issue 24), or the layout before it
+        functional = importlib.import_module(f"{module}.stats.forward")
+        grads = importlib.import_module(f"{module}.stats.backward")
+    except ImportError:
+        functional = importlib.import_module(f"{module}.stats.functional")
+        grads = importlib.import_module(f"{module}.stats.grads")
     sampling = importlib.import_module(f"{module}.stats.sampling")
     spec = {k: v for k, v in case.items() if k not in ("scales", "probs")}
     call = call_mod.AttentionCall(**spec)

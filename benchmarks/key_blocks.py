@@ -1,6 +1,6 @@
 """The centred path over blocks of keys against the chunked one, per call: time ratios in one run.
 
-``probe.stats.key_blocks`` takes a call when the chunked variant's centred copy of k and buffers
+``probe.stats.paths.key_blocks`` takes a call when the chunked variant's centred copy of k and buffers
 over every key would outgrow a quarter of ``memory_budget`` (about S = 2048 at 8 heads of 64).
 Here both variants run on the same calls, interleaved, and the ratio of their median times is
 printed (below 1: the blocks are faster), at the default ``rows=128`` and at ``rows=None``
@@ -25,7 +25,8 @@ from typing import List, Optional
 import torch
 
 from probe.call import AttentionCall
-from probe.stats import functional
+from probe.stats import chunks, plan
+from probe.stats.forward import forward_stats
 from probe.stats.sampling import sample_rows
 
 SCALES = {"actual": 0.125, "unscaled": 1.0, "standard": 0.125}
@@ -43,10 +44,10 @@ def _call(batch: int, heads: int, kv: int, length: int, causal: bool, hf: bool) 
 
 
 def _time(call: AttentionCall, rows: Optional[int], blocked: bool) -> float:
-    functional.blocked_keys = lambda *args: blocked  # type: ignore[assignment]
+    plan.blocked_keys = lambda *args: blocked  # type: ignore[assignment]
     positions = None if rows is None else sample_rows(call.q.shape[2], rows, torch.Generator().manual_seed(1))
     start = time.perf_counter()
-    functional.forward_stats(call, SCALES, rows=positions)
+    forward_stats(call, SCALES, rows=positions)
     return time.perf_counter() - start
 
 
@@ -58,7 +59,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="causal (1, 8, L, 64) calls, both layouts, besides the workloads' shapes")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    real = functional.blocked_keys
+    real = plan.blocked_keys
     cases = [("bert-padded shape (2, 4, 512), full", (2, 4, 4, 512, False, True)),
              ("llama-gqa shape (1, 8/2, 1024), causal", (1, 8, 2, 1024, True, True))]
     for length in args.lengths:
@@ -72,8 +73,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             call = _call(*shape)
             batch, heads, _, length = shape[:4]
             budget = 64 * 2**20  # forward_stats' step, as it plans it
-            step = min(functional.chunk_rows(batch, heads, length, budget),
-                       functional.cache_chunk_rows(batch, heads, length), length)
+            step = min(chunks.chunk_rows(batch, heads, length, budget),
+                       chunks.cache_chunk_rows(batch, heads, length), length)
             for rows in (128, None):
                 default = "blocks" if real(call, None, step, rows, budget) else "chunks"
                 _time(call, rows, False), _time(call, rows, True)  # warm-up
@@ -85,7 +86,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"{name:<42}{str(rows):>6}{chunked:>11.1f}{blocked:>11.1f}{blocked / chunked:>7.2f}{default:>10}")
                 sys.stdout.flush()
     finally:
-        functional.blocked_keys = real  # type: ignore[assignment]
+        plan.blocked_keys = real  # type: ignore[assignment]
     return 0
 
 

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import probe  # noqa: E402
 from probe.call import AttentionCall  # noqa: E402
-from probe.stats.functional import forward_stats  # noqa: E402
+from probe.stats.forward import forward_stats  # noqa: E402
 from workloads import build  # noqa: E402
 
 BUDGETS = (None, 512, 256, 128, 64)

@@ -66,7 +66,7 @@ def _probed_steps(workload: Any, steps: int, check: bool) -> List[float]:
 
 def one_check(workload: Any) -> Dict[str, float]:
     """Time the first check of the first site's call, and its forward statistics."""
-    from probe.stats.functional import forward_stats
+    from probe.stats.forward import forward_stats
 
     calls: List[Any] = []
     original = verify_mod.Verifier.verify

@@ -47,7 +47,7 @@ class AttentionCall:
         kind: which front end made the record: ``"sdpa"``, ``"eager"``, ``"mha"``, ``"flex"``.
         logits: the softmax input ``(B, H, L, S)`` of an eager call whose scale could not be
             recovered (``scale`` is then ``None``); probe reports such a call at ``actual`` only,
-            from these logits (see :mod:`probe.stats.eager_logits`). ``None`` otherwise.
+            from these logits (see :mod:`probe.stats.paths.logits`). ``None`` otherwise.
         probs: the softmax output ``P`` of an eager call, exactly as the model produced it (any
             layout with ``B·H·L·S`` elements), for the backward hook: its gradient is
             ``dP = ∂L/∂P``, dropout between the softmax and ``P @ v`` included; preferred over

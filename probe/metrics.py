@@ -115,12 +115,12 @@ METRICS: Tuple[MetricSpec, ...] = (
     _grad("grad_q"),
     _grad("grad_k"),
     _grad("grad_v"),
-    # standard errors of the sampled means (`rows=`, probe.stats.functional.forward_stats);
+    # standard errors of the sampled means (`rows=`, probe.stats.forward.forward_stats);
     # present only when rows were sampled
     MetricSpec("entropy_se", False, "entropy_var", "sum", "se", "mean", "mean", True, _UNIT),
     MetricSpec("max_prob_se", False, "max_prob_var", "sum", "se", "mean", "mean", True, _UNIT),
     MetricSpec("saturation_se", False, "saturated_var", "sum", "se", "mean", "mean", True, _UNIT),
-    # of the sampled grad_logits (probe.stats.grads.grad_logits_stats), to first order
+    # of the sampled grad_logits (probe.stats.backward.grad_logits_stats), to first order
     MetricSpec("grad_logits_se", True, "grad_logits_var", "sum", "root_se", "mean", "rms", False, _GRAD, "rss"),
     # QK-Clip (qk_clip=, probe.session.clipping), per optimizer step and head: the max logit S it
     # measured (every training step, not only sampled ones), the factor γ = min(1, τ/S) it applied

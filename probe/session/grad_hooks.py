@@ -4,8 +4,8 @@ ledger that names every gradient metric a sampled backward did not produce.
 :class:`GradHooks` registers, through :class:`probe.capture.grads.BackwardHooks`, the hooks of each
 recorded call (or defers them to a recomputation under reentrant activation checkpointing,
 :class:`probe.session.recompute.Recompute`) and reduces what they receive to
-``grad_logits_sq@{scale}`` (:func:`probe.stats.grads.grad_logits_stats`) and ``grad_{q,k,v}_sq``
-(:func:`probe.stats.grads.head_sq`). It also hooks the root forward's outputs, to know whether a
+``grad_logits_sq@{scale}`` (:func:`probe.stats.backward.grad_logits_stats`) and ``grad_{q,k,v}_sq``
+(:func:`probe.stats.backward.head_sq`). It also hooks the root forward's outputs, to know whether a
 backward ran, and keeps a :class:`~probe.session.grad_ledger.GradLedger`.
 """
 
@@ -21,7 +21,7 @@ from probe.call import AttentionCall, Scale
 from probe.capture.grads import BackwardHooks
 from probe.session.grad_ledger import GradLedger
 from probe.session.recompute import Recompute
-from probe.stats.grads import grad_logits_stats, head_sq
+from probe.stats.backward import grad_logits_stats, head_sq
 
 __all__ = ["AddFields", "GradHooks", "grad_scales"]
 

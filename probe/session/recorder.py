@@ -29,9 +29,10 @@ from probe.session.options import ExtraScale, scale_value
 from probe.session.verify import Verifier, warn_once_per_site
 from probe.state.accumulator import GRAD_STEPS, Accumulator, State
 from probe.state.writer import Window, to_host
-from probe.stats.functional import forward_stats, sample_rows
+from probe.stats.forward import forward_stats
 from probe.stats.masks import simplify
 from probe.stats.max_logit import max_logit
+from probe.stats.sampling import sample_rows
 
 __all__ = ["GradHooks", "Recorder", "SiteInfo", "SiteKey", "grad_scales"]
 
@@ -313,7 +314,7 @@ class Recorder:
 
     def _unknown_scale_stats(self, call: AttentionCall) -> State:
         """Metrics at `actual` from an eager call's softmax input; warns once per site."""
-        from probe.stats.eager_logits import logits_stats
+        from probe.stats.forward import logits_stats
 
         self._warn_unknown(call)
         logits = call.logits

@@ -15,10 +15,9 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall
-from probe.stats.sampling import sample_rows  # re-exported: the rows= design lives there
 
-__all__ = ["accumulation_dtype", "all_finite", "cache_chunk_rows", "chunk_rows", "grouped_product", "iter_chunks", "kv_product", "kv_view", "minmax",
-           "sample_rows", "storage_order"]
+__all__ = ["MASK_BIAS", "accumulation_dtype", "all_finite", "as_4d", "cache_chunk_rows", "chunk_rows", "grouped_product",
+           "kv_product", "kv_view", "minmax", "row_chunks", "storage_order", "DPSource"]
 
 # How many (B, H, rows, S) float32 buffers one chunk keeps alive at once. The shifted path holds
 # R (shifted in place), its masked copy, exp(σD) and one product; the general path R, Z,
@@ -122,7 +121,8 @@ def grouped_product(x: Tensor, kv_t: Tensor, out: Optional[Tensor] = None, strid
     return res.view(batch, heads, rows, cols)
 
 
-def _as_4d(t: Tensor) -> Tensor:
+def as_4d(t: Tensor) -> Tensor:
+    """``t`` as 4-D: leading dims of 1 added, or extra leading dims merged into the batch."""
     while t.dim() < 4:
         t = t.unsqueeze(0)
     if t.dim() > 4:
@@ -134,7 +134,7 @@ def _rows(t: Optional[Tensor], r0: int, r1: int, pos: Optional[Tensor] = None) -
     """Rows ``r0:r1`` (or positions ``pos``) of a tensor broadcastable to ``(B, H, L, S)``."""
     if t is None:
         return None
-    t = _as_4d(t)
+    t = as_4d(t)
     if t.shape[-2] == 1:
         return t  # broadcast over rows
     return t[..., r0:r1, :] if pos is None else t.index_select(-2, pos)
@@ -170,7 +170,7 @@ def _chunk_mask(call: AttentionCall, r0: int, r1: int, pos: Optional[Tensor],
     return valid, bias
 
 
-def _iter(call: AttentionCall, step: int, positions: Optional[Tensor] = None, reuse: bool = False,
+def row_chunks(call: AttentionCall, step: int, positions: Optional[Tensor] = None, reuse: bool = False,
           last: Optional[Sequence[int]] = None, causal_mask: bool = True
           ) -> Iterator[Tuple[Tensor, Optional[Tensor], Optional[Tensor]]]:
     """Chunks of ``(R, valid, bias)``; with ``reuse`` every ``R`` is a view of one buffer, valid
@@ -180,7 +180,7 @@ def _iter(call: AttentionCall, step: int, positions: Optional[Tensor] = None, re
     causal masking the keys after it are masked for every row of the chunk, so ``R`` only spans
     keys ``0 .. last`` (about half the work for a causal call); callers that need all ``S``
     columns (the backward's ``dP``) leave it ``None``. ``causal_mask=False`` leaves causal
-    masking to the caller (``valid`` then omits it; see :func:`_causal_block`).
+    masking to the caller (``valid`` then omits it: the shifted paths mask only the diagonal block).
     """
     q, k = call.q, call.k
     batch, heads, length, dim = q.shape
@@ -215,15 +215,25 @@ def _iter(call: AttentionCall, step: int, positions: Optional[Tensor] = None, re
         yield R, valid, bias
 
 
-def iter_chunks(
-    call: AttentionCall, budget_bytes: int
-) -> Iterator[Tuple[Tensor, Optional[Tensor], Optional[Tensor]]]:
-    """Yield ``(R, valid, bias)`` for consecutive chunks of query rows.
+class DPSource:
+    """``dP = ∂L/∂P`` of chunks of query rows, multiplied by ``gs`` (a power of two that keeps
+    the backward's squares from overflowing): from ``dprobs`` itself (an eager call's hooked
+    softmax output, ``(B, H, L, S)``, attention dropout included: each chunk copies its rows) or
+    as ``dout · vᵀ`` (``vt`` from :func:`kv_view` of v, ``strided`` as it said)."""
 
-    ``R`` is ``q[:, :, rows] @ k.T`` in float32, shape ``(B, H, l, S)``, computed once per chunk
-    for every scale (grouped-query attention without repeating k). ``valid`` (bool) and
-    ``bias`` (float32, masked entries zeroed) broadcast to ``R``; either may be ``None``.
-    ``R`` is a fresh buffer the caller may overwrite.
-    """
-    batch, heads = call.q.shape[:2]
-    yield from _iter(call, chunk_rows(batch, heads, call.k.shape[2], budget_bytes))
+    def __init__(self, gs: Tensor, dprobs: Optional[Tensor] = None, dout: Optional[Tensor] = None,
+                 vt: Optional[Tensor] = None, strided: bool = False) -> None:
+        if dprobs is None and (dout is None or vt is None):
+            raise ValueError("DPSource needs dprobs, or dout and vt")
+        self.gs, self.dprobs, self.dout, self.vt, self.strided = gs, dprobs, dout, vt, strided
+
+    def into(self, out: Tensor, r0: int, rows: int, cols: int, picked: Optional[Tensor]) -> Tensor:
+        """Rows ``r0 .. r0 + rows`` of those formed (all rows, or the positions ``picked``) over
+        keys ``:cols``, into ``out`` (``(B, H, rows, cols)`` float32)."""
+        if self.dprobs is not None:
+            src = self.dprobs[..., :cols]
+            src = src[:, :, r0 : r0 + rows] if picked is None else src.index_select(2, picked[r0 : r0 + rows])
+            return torch.mul(src, self.gs, out=out)
+        assert self.dout is not None and self.vt is not None
+        dc = self.dout[:, :, r0 : r0 + rows] if picked is None else self.dout.index_select(2, picked[r0 : r0 + rows])
+        return grouped_product(dc.float() * self.gs, self.vt[..., :cols], out, self.strided)

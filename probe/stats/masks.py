@@ -3,13 +3,13 @@
 Eager attention (Hugging Face's ``attn_implementation="eager"``, GPT-2, BERT, Llama, ...) adds
 its mask to the logits as a float tensor: 0 where a key is attended, ``finfo.min`` or ``-inf``
 where it is not. Recorded as an additive ``bias``, such a call would take the general path
-(:mod:`probe.stats.general`), about twice the cost of the shifted and centred paths. A bias
+(:mod:`probe.stats.paths.general`), about twice the cost of the shifted and centred paths. A bias
 whose every entry is 0 or at most :data:`~probe.stats.chunks.MASK_BIAS` adds nothing to a
 valid logit and removes the others: it *is* a mask, and :func:`simplify` records it as one.
 
 Hugging Face also passes causality and padding as one ``(B, 1, L, S)`` mask (SDPA with
 ``is_causal=False``, eager as a bias). :func:`simplify` turns a mask that is the causal
-pattern and/or key padding (:func:`~probe.stats.moments.row_pattern`) into ``causal=True``
+pattern and/or key padding (:func:`row_pattern`) into ``causal=True``
 and a ``(b, h, 1, S)`` key mask, so the statistics trim each causal chunk at its last query
 (about half the work) and no chunk indexes the ``L × S`` mask.
 
@@ -22,18 +22,18 @@ weak reference to the mask's memory, for as long as that memory lives and is unc
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections import OrderedDict
-from typing import Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from probe.call import AttentionCall
-from probe.stats.chunks import MASK_BIAS, _as_4d
-from probe.stats.moments import _PATTERN_BYTES, row_pattern
+from probe.stats.chunks import MASK_BIAS, as_4d
 
-__all__ = ["simplify"]
+__all__ = ["is_mask", "key_validity", "row_pattern", "simplify"]
 
 # Verdicts per mask, most recent last: an encoder-decoder passes two or three masks in turn.
 # A front end may hand each layer its own alias of the model's one mask (a detached tensor: the
@@ -44,6 +44,10 @@ __all__ = ["simplify"]
 # dropped at the next call.
 _MAX_ENTRIES = 8
 _Verdict = Tuple[bool, Optional[Tensor], bool]  # (simplified, key mask (b, h, 1, S) or None, causal)
+
+# The last mask key_validity checked for row-independence and the verdict (a weak reference: never
+# kept alive).
+_CHECKED: Dict[str, Tuple["weakref.ref[Tensor]", tuple, Optional[bool]]] = {}
 
 
 class _Entry:
@@ -89,6 +93,74 @@ def _store(t: Tensor, check: tuple, value) -> None:
         _CACHE.popitem(last=False)
 
 
+def key_validity(call: AttentionCall) -> Tuple[bool, Optional[Tensor], bool]:
+    """``(supported, valid, causal)``: whether the call's mask is ``None`` or a key-padding mask
+    (with causal masking, on the causal part), the valid keys, ``(b, h, S)`` bool with ``b``,
+    ``h`` 1 or full (``None``: every key), and whether the call is causal — also when the mask
+    holds the causal pattern itself (Hugging Face passes padding and causality as one
+    ``(B, 1, L, S)`` mask with ``is_causal=False``). A mask with a row dim is checked on CPUs
+    (passes over the bool mask, not over the logits; the verdict is kept for the same unchanged
+    tensor, which every layer of a model receives); elsewhere it is unsupported."""
+    mask = call.mask
+    if mask is None:
+        return True, None, call.causal
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    if mask.dim() > 4:
+        return False, None, call.causal
+    length, keys = call.q.shape[2], call.k.shape[2]
+    if mask.shape[-2] == 1 or mask.stride(-2) == 0:
+        return True, mask[..., 0, :].expand(*mask.shape[:2], keys), call.causal
+    if mask.device.type != "cpu":
+        return False, None, call.causal
+    key = (mask.data_ptr(), mask.shape, mask.stride(), mask._version, call.causal)
+    cached = _CHECKED.get("mask")
+    if cached is not None and cached[0]() is call.mask and cached[1] == key:
+        verdict = cached[2]  # the same mask as the previous call's
+    else:
+        verdict = row_pattern(lambda r0, r1: mask[..., r0:r1, :], call.causal, length, keys,
+                              mask.shape[0] * mask.shape[1] * keys)[0]
+        _CHECKED["mask"] = (weakref.ref(call.mask), key, verdict)
+    if verdict is None:
+        return False, None, call.causal
+    # the last row sees every key a causal row can see (keys after it are never valid)
+    row = mask[..., -1 if verdict else 0, :]
+    return True, row.expand(*mask.shape[:2], keys), verdict
+
+
+# Bytes of one boolean row block while a mask's pattern is checked: the check's temporaries stay
+# a few of these whatever L and S are (a whole-mask comparison took several B·L·S-byte copies).
+_PATTERN_BYTES = 2 * 2**20
+
+
+def row_pattern(rows: Callable[[int, int], Tensor], causal: bool, length: int, keys: int,
+                per_row: int) -> Tuple[Optional[bool], Optional[Tensor]]:
+    """``(verdict, key row)`` of a mask given by ``rows(r0, r1)`` (bool, ``(b, h, r1 − r0, S)``,
+    True = valid): verdict ``False`` when every row is the same (the key row: row 0), ``True``
+    when it is the causal (top-left) pattern of its last row's keys (the key row: the last row),
+    ``None`` when neither. Checked in blocks of rows of at most ``_PATTERN_BYTES`` (``per_row``:
+    the bytes of one row of the block); on the host."""
+    step = max(1, _PATTERN_BYTES // max(1, per_row))
+    first, last = rows(0, 1), rows(length - 1, length)
+    same = not causal
+    cols = torch.arange(keys, device=first.device)
+    tril_ok = causal or length == keys
+    for r0 in range(0, length, step):
+        r1 = min(length, r0 + step)
+        block = rows(r0, r1)
+        if same and not torch.equal(block, first.expand_as(block)):
+            same = False
+        if tril_ok:
+            tril = torch.arange(r0, r1, device=block.device).unsqueeze(-1) >= cols
+            lhs = block & tril if causal else block
+            tril_ok = torch.equal(lhs, (last & tril).expand_as(lhs))
+        if not same and not tril_ok:
+            return None, None
+    if same:
+        return False, first
+    return True, last
+
+
 def _rows_of(t: Tensor, length: int):
     """``rows(r0, r1)`` of a 4-D tensor broadcastable over rows (a row dim of 1 or stride 0)."""
     if t.shape[-2] == 1 or t.stride(-2) == 0:
@@ -100,7 +172,7 @@ def _rows_of(t: Tensor, length: int):
 def is_mask(bias: Tensor) -> bool:
     """Whether every entry of ``bias`` is 0 or at most ``MASK_BIAS`` (NaN and ``+inf`` are not),
     checked in blocks of rows (bounded temporaries)."""
-    t = _as_4d(bias)
+    t = as_4d(bias)
     rows = t.shape[-2]
     step = max(1, _PATTERN_BYTES // max(1, t.shape[0] * t.shape[1] * t.shape[-1]))
     r0, size = 0, 1  # a genuine bias (T5's, ALiBi) shows in its first row: blocks grow from one row
@@ -139,7 +211,7 @@ def simplify(call: AttentionCall, budget_bytes: int = 64 * 2**20) -> AttentionCa
         if not hit:
             value = None  # a genuine bias
             if is_mask(bias):
-                t = _as_4d(bias)
+                t = as_4d(bias)
                 if t.shape[-1] == 1 and keys > 1:  # one value for every key (a per-head constant): a view
                     t = t.expand(*t.shape[:-1], keys)
                 b, h = t.shape[:2]
@@ -158,7 +230,7 @@ def simplify(call: AttentionCall, budget_bytes: int = 64 * 2**20) -> AttentionCa
             return dataclasses.replace(call, bias=None, mask=mask)
         _, keymask, causal = value
         return dataclasses.replace(call, bias=None, mask=keymask, causal=causal)
-    mask = _as_4d(call.mask)  # type: ignore[arg-type]
+    mask = as_4d(call.mask)  # type: ignore[arg-type]
     if mask.shape[-2] == 1 and mask.shape[-1] == keys:
         return call  # already a key mask
     check = _check(mask, call.causal, length, keys)

@@ -5,7 +5,7 @@ the full statistics of a sampled step. This path is their physical floor: one ``
 of query rows (in float32, grouped-query attention without repeating k), the invalid entries
 set to ``-inf`` in place, one ``amax`` per chunk; no exponential, no moment, no row sum.
 
-The value is :mod:`probe.stats.functional`'s ``logit_max`` at the call's own scale: the max of
+The value is :mod:`probe.stats.forward`'s ``logit_max`` at the call's own scale: the max of
 ``σR`` over the valid entries (``mask`` False, ``causal`` above the top-left diagonal and a
 ``bias`` at or below :data:`~probe.stats.chunks.MASK_BIAS` are invalid), *before* any soft cap
 and without the bias (QK-Clip caps ``σ·q·kᵀ``, the part the q and k weights produce). A NaN
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall
-from probe.stats.chunks import _iter, cache_chunk_rows, chunk_rows
+from probe.stats.chunks import cache_chunk_rows, chunk_rows, row_chunks
 from probe.stats.masks import simplify
 
 __all__ = ["max_logit"]
@@ -65,7 +65,7 @@ def max_logit(call: AttentionCall, budget_bytes: int = 64 * 2**20, scale: Option
     # causal and nothing else: keys before a chunk's first row are valid for all its rows, so
     # only the chunk's diagonal block is masked (not a pass over the whole chunk)
     block = call.causal and call.mask is None and bottom is None and last is not None
-    for index, (R, valid, _) in enumerate(_iter(call, step, reuse=True, last=last, causal_mask=not block)):
+    for index, (R, valid, _) in enumerate(row_chunks(call, step, reuse=True, last=last, causal_mask=not block)):
         if block:
             r0 = index * step
             diagonal = R[..., r0:]

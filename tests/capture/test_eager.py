@@ -325,8 +325,7 @@ def test_capture_and_reductions_never_sync(style):
     # On `meta` tensors any host read (.item(), bool(t), nonzero) raises: capture and the
     # reductions of what it captured must run there unchanged.
     from probe.capture.mode import CaptureMode
-    from probe.stats.eager_logits import logits_stats
-    from probe.stats.functional import forward_stats
+    from probe.stats.forward import forward_stats, logits_stats
 
     model = Eager(style).to("meta")
     x, pad = _batch()

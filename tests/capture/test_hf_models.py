@@ -18,7 +18,7 @@ from torch import nn
 from torch.overrides import _get_current_function_mode_stack
 
 import probe
-from probe.stats import functional
+from probe.stats.paths import key_blocks
 from tests.helpers import reference_metrics
 
 pytest.importorskip("transformers")
@@ -250,14 +250,14 @@ def _from_probabilities(p: torch.Tensor, valid: torch.Tensor) -> Dict[str, np.nd
 def test_eager_matches_float64_reference_and_returned_probabilities(name, softcap, budget, monkeypatch):
     """Every family against float64 and its own returned probabilities; with a 4 KiB
     ``memory_budget`` too, under which every call of these tiny models that takes the centred path
-    runs over blocks of keys (probe.stats.key_blocks) and every other path in one-row chunks."""
+    runs over blocks of keys (probe.stats.paths.key_blocks) and every other path in one-row chunks."""
     model = build(name, "eager", softcap)
     module = {"gpt2_inverse": "gpt2"}.get(name, name)
     recorder = Recorder(module, {id(m): n for n, m in model.named_modules()})
     monkeypatch.setattr(recorder.mod, "eager_attention_forward", recorder)
     blocked = []
-    real_blocked = functional.centred_stats_blocked
-    monkeypatch.setattr(functional, "centred_stats_blocked", lambda *a, **k: blocked.append(1) or real_blocked(*a, **k))
+    real_blocked = key_blocks.forward_rows
+    monkeypatch.setattr(key_blocks, "forward_rows", lambda *a, **k: blocked.append(1) or real_blocked(*a, **k))
     with torch.no_grad():
         plain = _main(model(**inputs(name), output_attentions=True))
         before = _hooks(model)

@@ -489,7 +489,7 @@ def test_capture_and_reductions_run_on_meta_tensors():
     """No host sync: the MHA mirror and the statistics of its call run on shape-only tensors."""
     from probe.capture.mha import MHAFrontEnd
     from probe.capture.mode import CaptureMode
-    from probe.stats.functional import forward_stats
+    from probe.stats.forward import forward_stats
 
     mha = nn.MultiheadAttention(E, H, batch_first=True, add_bias_kv=True, device="meta")
     x = torch.randn(B, L, E, device="meta")

@@ -1,7 +1,7 @@
 """The CPU fast paths of the shifted statistics agree with the exact path every device takes.
 
 On CPUs, inputs proven to give finite logits (``inputs_finite``: ``max|q|·max|k|·d``) take the
-centred path (probe.stats.moments: rows centred in the product, moments from ``‖C‖²``, the mask
+centred path (probe.stats.paths.centred: rows centred in the product, moments from ``‖C‖²``, the mask
 added as a finite ``NEG``, no non-finite count); otherwise a chunk proven finite by one sum
 (``all_finite``) skips the count and is masked by adding 0 / -inf instead of ``masked_fill_``.
 Every case below runs with the proofs and with both disabled. The ``all_finite`` shortcut must
@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from probe.call import AttentionCall
-from probe.stats import functional, shifted
-from probe.stats.functional import forward_stats
-from probe.stats.grads import grad_logits_stats
+from probe.stats import plan
+from probe.stats.backward import grad_logits_stats
+from probe.stats.forward import forward_stats
+from probe.stats.paths import shifted
 
 
 def _call(case: str, poison: str) -> AttentionCall:
@@ -43,11 +44,11 @@ def _call(case: str, poison: str) -> AttentionCall:
 def _both(monkeypatch, fn, centred=True):
     with monkeypatch.context() as m:
         if not centred:  # the all_finite shortcut alone
-            m.setattr(functional, "inputs_finite", lambda call: False)
+            m.setattr(plan, "inputs_finite", lambda call: False)
         fast = fn()
     with monkeypatch.context() as m:
         m.setattr(shifted, "all_finite", lambda x: False)
-        m.setattr(functional, "inputs_finite", lambda call: False)
+        m.setattr(plan, "inputs_finite", lambda call: False)
         exact = fn()
     return fast, exact
 

@@ -10,7 +10,7 @@ import torch
 
 import probe
 from probe.call import AttentionCall
-from probe.stats.functional import forward_stats
+from probe.stats.forward import forward_stats
 from tests.helpers import OneCall, reference_metrics
 
 

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from probe.call import AttentionCall
-from probe.stats import functional, general
-from probe.stats.functional import forward_stats
+from probe.stats import buffers, plan
+from probe.stats.forward import forward_stats
+from probe.stats.paths import general
 from probe.stats.sampling import row_design, sample_rows, stratified_variance
 
 TAU = 0.9
@@ -98,7 +99,7 @@ def _scales(call):
 def test_sampled_estimates_equal_float64_weighted_sums_on_the_same_rows(monkeypatch, proven, causal, padded, gqa):
     call = _case(causal, padded, gqa)
     if not proven:  # the path every non-CPU device takes: counts and selected masks
-        monkeypatch.setattr(functional, "_proven_finite", lambda c, v: (False, True))
+        monkeypatch.setattr(plan, "proven_finite", lambda c, v: (False, True))
         monkeypatch.setattr(general, "all_finite", lambda x: False)
     length = call.q.shape[2]
     positions = sample_rows(length, 9, torch.Generator().manual_seed(5))
@@ -217,12 +218,12 @@ def test_bias_without_masked_entries_takes_no_mask():
     call = dataclasses.replace(call, bias=bias)
     positions = torch.tensor([0, 3, 7, 12, 19])
     a = forward_stats(call, _scales(call), rows=positions)
-    orig = functional._proven_finite
-    functional._proven_finite = lambda c, v: (orig(c, v)[0], True)
+    orig = plan.proven_finite
+    plan.proven_finite = lambda c, v: (orig(c, v)[0], True)
     try:
         b = forward_stats(call, _scales(call), rows=positions)
     finally:
-        functional._proven_finite = orig
+        plan.proven_finite = orig
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-6, msg=key)
 
@@ -256,12 +257,12 @@ def test_buffers_kept_between_calls_change_nothing(monkeypatch):
     a = _case(causal=True, padded=True, l=24)
     b = _case(causal=False, padded=False, gqa=False, l=40, seed=3)
     first = forward_stats(a, _scales(a), rows=torch.tensor([0, 5, 9, 17]))
-    assert general._KEPT.scratch is not None
+    assert buffers.kept()
     forward_stats(b, _scales(b))
     again = forward_stats(a, _scales(a), rows=torch.tensor([0, 5, 9, 17]))
     for key in first:
         torch.testing.assert_close(again[key], first[key], rtol=0, atol=0, equal_nan=True)
-    monkeypatch.setattr(general, "KEEP_BYTES", 0)
-    general._KEPT.scratch = None
+    monkeypatch.setattr(buffers, "KEEP_BYTES", 0)
+    buffers.forget()
     forward_stats(a, _scales(a))
-    assert general._KEPT.scratch is None  # over the limit: not kept
+    assert not buffers.kept()  # over the limit: not kept

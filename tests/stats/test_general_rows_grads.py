@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from probe.call import AttentionCall
-from probe.stats import grads
-from probe.stats.grads import grad_logits_stats
+from probe.stats import plan
+from probe.stats.backward import grad_logits_stats
 from probe.stats.sampling import row_design, sample_rows, stratified_variance
 from tests.stats.test_general_rows import _case, _logits64, _valid
 
@@ -65,7 +65,7 @@ def _check(fields, y, positions, length, name):
 def test_sampled_grad_logits_equal_float64_weighted_sums(monkeypatch, proven, causal, padded, gqa):
     call, dout = _with_v(_case(causal, padded, gqa))
     if not proven:
-        monkeypatch.setattr(grads, "_proven_finite", lambda c, v: (False, True))
+        monkeypatch.setattr(plan, "proven_finite", lambda c, v: (False, True))
     length = call.q.shape[2]
     positions = sample_rows(length, 9, torch.Generator().manual_seed(5))
     budget = 8 * 4 * 2 * 4 * length * 5  # chunks of 5 rows

@@ -19,7 +19,8 @@ import torch
 import probe
 from tests.helpers import OneCall
 from probe.call import AttentionCall
-from probe.stats.grads import grad_logits_chunk, grad_logits_stats, head_sq
+from probe.stats.backward import grad_logits_stats, head_sq
+from probe.stats.reference import grad_logits_chunk
 
 
 def _leaves(b=2, h=4, hk=None, l=7, s=None, d=16):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from probe.call import AttentionCall
-from probe.stats.grads import grad_logits_stats, grad_scale, head_sq
+from probe.stats.backward import grad_logits_stats, grad_scale, head_sq
 from tests.helpers import masked_logits64
 
 

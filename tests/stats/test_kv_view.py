@@ -15,8 +15,8 @@ import torch
 
 from probe.call import AttentionCall
 from probe.stats import chunks
-from probe.stats.functional import forward_stats
-from probe.stats.grads import grad_logits_stats
+from probe.stats.forward import forward_stats
+from probe.stats.backward import grad_logits_stats
 from tests.faults.memory import PeakMemory
 
 SCALES = {"actual": 0.25, "unscaled": 1.0}

@@ -15,8 +15,8 @@ import torch
 import probe
 from probe.call import AttentionCall
 from probe.stats import masks
-from probe.stats.functional import forward_stats
-from probe.stats.grads import grad_logits_stats
+from probe.stats.forward import forward_stats
+from probe.stats.backward import grad_logits_stats
 from probe.stats.sampling import row_design
 
 SCALES = {"actual": 0.35, "unscaled": 1.0, "standard": 0.35}
@@ -55,8 +55,7 @@ def _general(monkeypatch, fn, *args, **kwargs):
     """``fn`` with simplify disabled: the float mask is read as a bias (the general path)."""
     with monkeypatch.context() as m:
         m.setattr(masks, "simplify", lambda call, *a: call)
-        m.setattr("probe.stats.functional.simplify", lambda call, *a: call)
-        m.setattr("probe.stats.grads.simplify", lambda call, *a: call)
+        m.setattr("probe.stats.plan.simplify", lambda call, *a: call)
         return fn(*args, **kwargs)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from probe.call import AttentionCall
-from probe.stats.functional import forward_stats
+from probe.stats.forward import forward_stats
 from probe.stats.max_logit import max_logit
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from probe.call import AttentionCall
-from probe.stats.functional import forward_stats
-from probe.stats.grads import grad_logits_stats, head_sq
+from probe.stats.forward import forward_stats
+from probe.stats.backward import grad_logits_stats, head_sq
 
 B, H, HK, L, D = 2, 8, 2, 300, 64
 

@@ -1,4 +1,4 @@
-"""The centred path (probe.stats.moments) against float64 references of the model's own logits.
+"""The centred path (probe.stats.paths.centred) against float64 references of the model's own logits.
 
 Every mask kind it takes (none, key padding as a broadcast row or as Hugging Face's full
 ``(B, 1, L, S)`` mask, causal, causal with key padding), grouped-query attention, ``L != S``,
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from probe.call import AttentionCall
-from probe.stats import functional, key_blocks, moments
-from probe.stats.functional import forward_stats
+from probe.stats import chunks, masks, plan
+from probe.stats.forward import forward_stats
+from probe.stats.paths import centred, key_blocks
 from tests.helpers import masked_logits64
 
 
@@ -61,11 +62,11 @@ def _mask(kind: str, b: int, l: int, s: int):
 @pytest.fixture(params=["chunks", "key blocks"])
 def path(request, monkeypatch):
     """Each centred-path test on both variants: chunks of query rows over every key
-    (:func:`~probe.stats.moments.centred_stats`) and blocks of keys
-    (:func:`~probe.stats.key_blocks.centred_stats_blocked`, 16 keys and 16 rows per block here, so
+    (:func:`~probe.stats.paths.centred.centred_rows`) and blocks of keys
+    (:func:`~probe.stats.paths.key_blocks.blocked_rows`, 16 keys and 16 rows per block here, so
     that these small calls span several)."""
     blocked = request.param == "key blocks"
-    monkeypatch.setattr(functional, "blocked_keys", lambda *args: blocked)
+    monkeypatch.setattr(plan, "blocked_keys", lambda *args: blocked)
     if blocked:
         monkeypatch.setattr(key_blocks, "_BLOCK_BYTES", 1)
     return request.param
@@ -73,14 +74,14 @@ def path(request, monkeypatch):
 
 def _spy(monkeypatch):
     seen = []
-    for name in ("centred_stats", "centred_stats_blocked"):
-        real = getattr(moments if name == "centred_stats" else key_blocks, name)
+    for module in (centred, key_blocks):
+        real = module.forward_rows
 
         def spy(*args, _real=real, **kwargs):
             seen.append(1)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(functional, name, spy)
+        monkeypatch.setattr(module, "forward_rows", spy)
     return seen
 
 
@@ -123,7 +124,7 @@ def test_hugging_faces_causal_padding_mask_without_is_causal(monkeypatch, path, 
     mask, key_mask = _mask("full", 2, 40, 40)
     mask = mask & torch.ones(40, 40, dtype=torch.bool).tril()
     call = AttentionCall(q=q, k=k, v=None, scale=0.25, mask=mask, causal=False)
-    assert moments.key_validity(call)[2] is True
+    assert masks.key_validity(call)[2] is True
     got = forward_stats(call, {"actual": 0.25}, budget_bytes=2**14)
     ref = _check(AttentionCall(q=q, k=k, v=None, scale=0.25, mask=key_mask, causal=True), key_mask)
     for key in got:
@@ -182,7 +183,7 @@ def test_inputs_not_proven_finite_take_the_exact_path(monkeypatch, poison):
     q, k = _inputs()
     q[0, 1, 3, 2] = {"nan": math.nan, "inf": math.inf, "huge": 1e30}[poison]
     call = AttentionCall(q=q, k=k, v=None, scale=0.25, causal=True)
-    assert not moments.inputs_finite(call)
+    assert not plan.inputs_finite(call)
     got = forward_stats(call, {"actual": 0.25})
     assert not seen
     if poison != "huge":
@@ -195,7 +196,7 @@ def test_a_mask_that_depends_on_the_row_takes_the_exact_path(monkeypatch):
     mask = torch.ones(2, 1, 40, 40, dtype=torch.bool)
     mask[0, 0, 3, :10] = False
     call = AttentionCall(q=q, k=k, v=None, scale=0.25, mask=mask)
-    assert moments.key_validity(call)[0] is False
+    assert masks.key_validity(call)[0] is False
     forward_stats(call, {"actual": 0.25})
     assert not seen
 
@@ -204,9 +205,9 @@ def test_the_row_independence_verdict_follows_in_place_changes():
     q, k = _inputs()
     mask = torch.ones(2, 1, 40, 40, dtype=torch.bool)
     call = AttentionCall(q=q, k=k, v=None, scale=0.25, mask=mask)
-    assert moments.key_validity(call)[0]
+    assert masks.key_validity(call)[0]
     mask[0, 0, 3, 1] = False  # the same tensor, changed: checked again
-    assert not moments.key_validity(call)[0]
+    assert not masks.key_validity(call)[0]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -214,8 +215,8 @@ def test_the_row_independence_verdict_follows_in_place_changes():
 def test_sampled_rows_in_small_batches_give_the_same_sums(monkeypatch, causal, cap_bytes):
     """The gathered sampled rows run in batches of a bounded buffer (one row, three rows here):
     the same per-row sums as all at once (the chunked variant: the blocked one has no such buffer)."""
-    monkeypatch.setattr(functional, "blocked_keys", lambda *args: False)
-    from probe.stats.functional import forward_stats
+    monkeypatch.setattr(plan, "blocked_keys", lambda *args: False)
+    from probe.stats.forward import forward_stats
     from probe.stats.sampling import sample_rows
 
     gen = torch.Generator().manual_seed(5)
@@ -227,7 +228,7 @@ def test_sampled_rows_in_small_batches_give_the_same_sums(monkeypatch, causal, c
     rows = sample_rows(40, 16, torch.Generator().manual_seed(1))
     scales = {"actual": 0.5, "unscaled": 1.0}
     whole = forward_stats(call, scales, budget_bytes=2**12, rows=rows)  # small chunks: several
-    monkeypatch.setattr(moments, "_SAMPLED_BYTES", cap_bytes)
+    monkeypatch.setattr(centred, "SAMPLED_BYTES", cap_bytes)
     batched = forward_stats(call, scales, budget_bytes=2**12, rows=rows)
     assert whole.keys() == batched.keys()
     for name in whole:
@@ -251,13 +252,13 @@ def test_key_blocks_take_long_calls_and_leave_short_ones():
         return AttentionCall(q=q, k=k, v=None, scale=0.125, causal=True)
 
     budget = 64 * 2**20
-    step = lambda c: functional.cache_chunk_rows(c.q.shape[0], c.q.shape[1], c.k.shape[2])  # noqa: E731
+    step = lambda c: chunks.cache_chunk_rows(c.q.shape[0], c.q.shape[1], c.k.shape[2])  # noqa: E731
     for c, picks in [(call(2, 4, 4, 512), 128), (call(1, 8, 2, 1024), 128), (call(1, 8, 8, 1024), None)]:
-        assert not key_blocks.blocked_keys(c, None, min(step(c), c.q.shape[2]), picks, budget)  # the benchmarks' steps
+        assert not plan.blocked_keys(c, None, min(step(c), c.q.shape[2]), picks, budget)  # the benchmarks' steps
     for length in (8192, 16384, 2**20):
         c = call(1, 8, 8, length)
-        assert key_blocks.blocked_keys(c, None, step(c), 128, budget)
-        assert key_blocks.blocked_keys(c, None, step(c), None, budget)
+        assert plan.blocked_keys(c, None, step(c), 128, budget)
+        assert plan.blocked_keys(c, None, step(c), None, budget)
 
 
 @pytest.mark.parametrize("length", [1024, 4096])
@@ -281,6 +282,6 @@ def test_key_blocks_keep_long_calls_within_the_budget(monkeypatch, length):
     assert mem.peak <= budget // 2 + per_row, (mem.peak, budget)
     assert torch.isfinite(got["entropy@actual"]).all()
     if length == 4096:  # the chunked variant asks for more than the whole budget at once (a 8 MiB k copy)
-        monkeypatch.setattr(functional, "blocked_keys", lambda *args: False)
+        monkeypatch.setattr(plan, "blocked_keys", lambda *args: False)
         with pytest.raises(MemoryError), PeakMemory(cap=budget, exclude=(q, k)):
             forward_stats(call, {"actual": 0.125, "unscaled": 1.0}, budget_bytes=budget, rows=128)

@@ -1,7 +1,7 @@
 """Query-row sampling (``rows=N``): unbiased mean metrics, documented standard error.
 
 The exact values come from a plain float64 computation over every row, written here; the
-sampled estimates from :func:`probe.stats.functional.forward_stats`.
+sampled estimates from :func:`probe.stats.forward.forward_stats`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 
 import probe
 from probe.call import AttentionCall
-from probe.stats.functional import forward_stats
+from probe.stats.forward import forward_stats
 from tests.helpers import masked_logits64
 
 MEANS = {"entropy": "entropy@actual", "max_prob": "max_prob@actual", "saturation": "saturated@actual"}

@@ -14,7 +14,7 @@ from torch import nn
 
 import probe
 from probe.call import AttentionCall
-from probe.stats.grads import grad_logits_stats
+from probe.stats.backward import grad_logits_stats
 from tests.helpers import masked_logits64
 from tests.stats.test_rows_sampling import design_variance
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from probe.call import AttentionCall
-from probe.stats.functional import forward_stats
-from probe.stats.grads import grad_logits_stats
+from probe.stats.forward import forward_stats
+from probe.stats.backward import grad_logits_stats
 from probe.stats.sampling import row_design, sample_rows, strata_sizes
 from tests.stats.test_rows_sampling import _inputs, _per_row
 from tests.stats.test_rows_sampling_grads import _case

@@ -1,9 +1,10 @@
 """Exact logit moments and maximum at the cost of one product, ``‖C‖²`` and ``amax`` per chunk.
 
-The centred path of :func:`probe.stats.functional.forward_stats`, for calls without bias or
-softcap whose mask is ``None``, key padding (validity depends only on batch, head and key), causal,
-or both (:func:`key_validity`, which also recognizes Hugging Face's combined causal + padding
-mask), with inputs proven to give finite logits (:func:`inputs_finite`, CPUs):
+The centred path (:mod:`probe.stats.plan`), for calls without bias or softcap whose mask is
+``None``, key padding (validity depends only on batch, head and key), causal, or both
+(:func:`probe.stats.masks.key_validity`, which also recognizes Hugging Face's combined causal +
+padding mask), with inputs proven to give finite logits (:func:`probe.stats.plan.inputs_finite`,
+CPUs):
 
 - Keys are centred once per call on the mean ``k̄`` of each (batch, kv head)'s valid keys, masked
   keys zeroed: ``k̃_j = w_j·(k_j − k̄)``. Each chunk's product ``C = q·k̃ᵀ`` (float32, as
@@ -13,13 +14,13 @@ mask), with inputs proven to give finite logits (:func:`inputs_finite`, CPUs):
 - Row ``i``: ``Σ_j C_ij = q_i·P + (the causal block's row sum)``, ``Σ_j C_ij² = ‖C_i‖²`` (one fused
   pass), ``M2_i = ‖C_i‖² − (Σ_j C_ij)²/n_i`` and the mean ``μ_i = q_i·k̄ + Σ_j C_ij / n_i`` with
   ``q_i·k̄ = q̄·k̄ + (q_i − q̄)·k̄`` (the large part in float64: a float32 ``q_i·k̄`` would round away
-  the spread of mean-dominated logits). Rows combine in float64 (Chan, :func:`row_moments`):
+  the spread of mean-dominated logits). Rows combine in float64 (Chan, :func:`probe.stats.reduce.reduce_rows`):
   ``M2 = Σ M2_i + Σ n_i (μ_i − μ)²``, a sum of non-negative terms.
 - The mask is added as the finite :data:`NEG` (below every valid logit, so ``e·D`` is 0 there,
   not NaN; no masked copy, no non-finite count), the row max is ``max C + q_i·k̄``, and only the
   sampled rows form ``D = C − max C`` and their exponentials, gathered across chunks.
 - Long calls (the centred copy of k and the buffers over every key would outgrow a quarter of
-  ``memory_budget``) run over blocks of keys instead (:mod:`probe.stats.key_blocks`): keys are
+  ``memory_budget``) run over blocks of keys instead (:mod:`probe.stats.paths.key_blocks`): keys are
   centred a block at a time, per-row sums, sums of squares and maxima add up over the blocks,
   and the sampled rows' exponentials run in a second pass once every row's max is known. Extra
   memory is then a few 2 MiB blocks and ``O(B·H·L)`` per-row floats at any length (measured:
@@ -36,134 +37,37 @@ d = 32/64 (docs/performance.md).
 
 from __future__ import annotations
 
-import math
-import weakref
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+import dataclasses
+from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from probe.call import AttentionCall
-from probe.stats.chunks import minmax
+from probe.stats.plan import LOGIT_BOUND, SAMPLED_BYTES, CallPlan, chunk_picks
+from probe.stats.rows import Rows, exp_sums, nonfinite_rows, softmax_rows
 
-__all__ = ["NEG", "CentredPrep", "absmax", "centred_stats", "inputs_finite", "key_validity", "row_moments", "row_pattern"]
+__all__ = ["NEG", "PREP_BYTES", "CentredPrep", "centred_rows", "exact_rows", "forward_rows", "to_rows"]
 
-#: The finite mask value of the proven-finite path: every logit is at most ``2⁹⁰`` in size there
-#: (:func:`inputs_finite`), so a masked entry stays below every valid one, and ``e·D`` is ``0``
-#: (not ``0·(−inf)`` = NaN) where ``exp`` underflows.
+#: The finite mask value of the proven-finite path: every logit is at most
+#: :data:`~probe.stats.plan.LOGIT_BOUND` (2⁹⁰) in size there, so a masked entry stays below every
+#: valid one, and ``e·D`` is ``0`` (not ``0·(−inf)`` = NaN) where ``exp`` underflows.
 NEG = -(2.0**100)
+assert NEG < -4 * LOGIT_BOUND
 
-_BOUND = 2.0**90
-
-# Bytes of one block of the per-call preparation's temporaries (q − q̄ rows, float64 key slabs).
-_PREP_BYTES = 2 * 2**20
-
-# The last mask checked for row-independence and the verdict (a weak reference: never kept alive).
-_CHECKED: Dict[str, Tuple["weakref.ref[Tensor]", tuple, Optional[bool]]] = {}
-
-_LOG2E = 1.0 / math.log(2.0)
+#: Bytes of one block of the per-call preparation's temporaries (q − q̄ rows, float64 key slabs).
+PREP_BYTES = 2 * 2**20
 
 # Sampled rows gathered before their exponentials run (causal calls: each batch spans the keys
 # of its last row only).
 _FLUSH_ROWS = 32
-# Bytes of the buffer of gathered sampled rows (and of their exponentials' buffer): a batch of
-# sampled rows runs when it is full (was every sampled row at once: 32 MiB each at (1, 8, 128, 8192)).
-_SAMPLED_BYTES = 8 * 2**20
-
-
-def inputs_finite(call: AttentionCall) -> bool:
-    """Whether every logit ``q_i·k_j`` is certainly finite and at most ``2⁹⁰`` in size, proven
-    from ``max|q|·max|k|·d`` (``O(L·d)``, no pass over the logits). On CPUs only, where reading
-    the result costs no synchronization; elsewhere ``False`` (callers take their exact path)."""
-    q, k = call.q, call.k
-    if q.device.type != "cpu" or q.numel() == 0 or k.numel() == 0:
-        return False
-    # aminmax: no |q| copy (a q-sized temporary each, 16 MiB at (1, 8, 8192, 64))
-    bound = absmax(q) * absmax(k) * q.shape[-1]
-    return bound <= _BOUND  # False for NaN
-
-
-def absmax(t: Tensor) -> float:
-    """``max|t|`` on the host (NaN if ``t`` has one), from its min and max: no ``|t|`` copy and
-    no copy of a transposed ``t`` (:func:`~probe.stats.chunks.minmax`)."""
-    low, high = (float(x) for x in minmax(t))
-    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
-
-
-def key_validity(call: AttentionCall) -> Tuple[bool, Optional[Tensor], bool]:
-    """``(supported, valid, causal)``: whether the call's mask is ``None`` or a key-padding mask
-    (with causal masking, on the causal part), the valid keys, ``(b, h, S)`` bool with ``b``,
-    ``h`` 1 or full (``None``: every key), and whether the call is causal — also when the mask
-    holds the causal pattern itself (Hugging Face passes padding and causality as one
-    ``(B, 1, L, S)`` mask with ``is_causal=False``). A mask with a row dim is checked on CPUs
-    (passes over the bool mask, not over the logits; the verdict is kept for the same unchanged
-    tensor, which every layer of a model receives); elsewhere it is unsupported."""
-    mask = call.mask
-    if mask is None:
-        return True, None, call.causal
-    while mask.dim() < 4:
-        mask = mask.unsqueeze(0)
-    if mask.dim() > 4:
-        return False, None, call.causal
-    length, keys = call.q.shape[2], call.k.shape[2]
-    if mask.shape[-2] == 1 or mask.stride(-2) == 0:
-        return True, mask[..., 0, :].expand(*mask.shape[:2], keys), call.causal
-    if mask.device.type != "cpu":
-        return False, None, call.causal
-    key = (mask.data_ptr(), mask.shape, mask.stride(), mask._version, call.causal)
-    cached = _CHECKED.get("mask")
-    if cached is not None and cached[0]() is call.mask and cached[1] == key:
-        verdict = cached[2]  # the same mask as the previous call's
-    else:
-        verdict = row_pattern(lambda r0, r1: mask[..., r0:r1, :], call.causal, length, keys,
-                              mask.shape[0] * mask.shape[1] * keys)[0]
-        _CHECKED["mask"] = (weakref.ref(call.mask), key, verdict)
-    if verdict is None:
-        return False, None, call.causal
-    # the last row sees every key a causal row can see (keys after it are never valid)
-    row = mask[..., -1 if verdict else 0, :]
-    return True, row.expand(*mask.shape[:2], keys), verdict
-
-
-# Bytes of one boolean row block while a mask's pattern is checked: the check's temporaries stay
-# a few of these whatever L and S are (a whole-mask comparison took several B·L·S-byte copies).
-_PATTERN_BYTES = 2 * 2**20
-
-
-def row_pattern(rows: Callable[[int, int], Tensor], causal: bool, length: int, keys: int,
-                per_row: int) -> Tuple[Optional[bool], Optional[Tensor]]:
-    """``(verdict, key row)`` of a mask given by ``rows(r0, r1)`` (bool, ``(b, h, r1 − r0, S)``,
-    True = valid): verdict ``False`` when every row is the same (the key row: row 0), ``True``
-    when it is the causal (top-left) pattern of its last row's keys (the key row: the last row),
-    ``None`` when neither. Checked in blocks of rows of at most ``_PATTERN_BYTES`` (``per_row``:
-    the bytes of one row of the block); on the host."""
-    step = max(1, _PATTERN_BYTES // max(1, per_row))
-    first, last = rows(0, 1), rows(length - 1, length)
-    same = not causal
-    cols = torch.arange(keys, device=first.device)
-    tril_ok = causal or length == keys
-    for r0 in range(0, length, step):
-        r1 = min(length, r0 + step)
-        block = rows(r0, r1)
-        if same and not torch.equal(block, first.expand_as(block)):
-            same = False
-        if tril_ok:
-            tril = torch.arange(r0, r1, device=block.device).unsqueeze(-1) >= cols
-            lhs = block & tril if causal else block
-            tril_ok = torch.equal(lhs, (last & tril).expand_as(lhs))
-        if not same and not tril_ok:
-            return None, None
-    if same:
-        return False, first
-    return True, last
 
 
 class CentredPrep:
     """Per-call tensors of the centred path (module docstring): ``O(S·d)`` work, none over q.
 
     ``blocked``: no centred copy of k (``kt`` is ``None``): :meth:`block` centres one block of
-    keys at a time into a caller's buffer (:mod:`probe.stats.key_blocks`), and ``k̄`` comes
+    keys at a time into a caller's buffer (:mod:`probe.stats.paths.key_blocks`), and ``k̄`` comes
     from float64 sums over slabs of keys."""
 
     def __init__(self, call: AttentionCall, valid: Optional[Tensor], step: int, blocked: bool = False,
@@ -173,7 +77,7 @@ class CentredPrep:
         kv, keys = k.shape[1], k.shape[2]
         g = heads // kv
         self.repeat = 1
-        block_bytes = block_bytes or _PREP_BYTES  # temporaries: blocks of rows or keys of this size
+        block_bytes = block_bytes or PREP_BYTES  # temporaries: blocks of rows or keys of this size
         if valid is not None and valid.shape[1] > 1 and g > 1:  # a per-head mask: k per query head
             if blocked:
                 self.repeat = g  # each block is repeated, not k
@@ -190,7 +94,7 @@ class CentredPrep:
         else:
             kT = k.transpose(-1, -2)  # (B, Hk, d, S)
             # [P | k̃_0 … k̃_{S−1}] as (B, Hk, d, 1 + S) float32, contiguous along S (as k in
-            # chunks._iter): the product's first column is q_i·P
+            # chunks.row_chunks): the product's first column is q_i·P
             self.kt = kt = torch.empty(batch, kv, dim, 1 + keys, device=q.device)
             # k is copied into kt first and centred there: no other k-sized temporary
             keys_t = kt[..., 1:]
@@ -276,7 +180,7 @@ def _prefix_sums(keys_t: Tensor, starts: List[int], step: int) -> Tensor:
     batch, kv, dim, _ = keys_t.shape
     before = torch.zeros(batch, kv, dim, len(starts), dtype=torch.float64, device=keys_t.device)
     need = max(starts) if starts else 0
-    slab = max(step, (_PREP_BYTES // max(1, batch * kv * dim * 8)) // step * step)
+    slab = max(step, (PREP_BYTES // max(1, batch * kv * dim * 8)) // step * step)
     carry: Optional[Tensor] = None
     for k0 in range(0, need, slab):
         k1 = min(k0 + slab, need)
@@ -291,21 +195,11 @@ def _prefix_sums(keys_t: Tensor, starts: List[int], step: int) -> Tensor:
     return before.float()
 
 
-def _softmax_sums(D: Tensor, scales: Sequence[float], e: Tensor) -> List[Tensor]:
-    """``[Σe_1, Σe·D_1, Σe_2, …]`` per row for ``e = exp(σD)`` (``exp2`` of ``σ·log2(e)·D``)."""
-    sums = []
-    for sigma in scales:
-        torch.mul(D, sigma * _LOG2E, out=e).exp2_()
-        sums.append(e.sum(-1))
-        sums.append(e.mul_(D).sum(-1))
-    return sums
-
-
-def centred_stats(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[float], step: int,
+def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[float], step: int,
                   picks: Sequence[Optional[Tensor]]) -> Tuple[List[Tensor], List[Tensor]]:
-    """Per-row sums of the centred path (module docstring), as :func:`probe.stats.shifted.shifted_rows`
-    returns them for every chunk together, except ``exact = [n, r, μ, M2, 0]``: each row's exact
-    mean and ``M2`` instead of ``ΣD`` and ``ΣD²`` (see :func:`row_moments`).
+    """Per-row sums of the centred path (module docstring): ``exact = [n, r, μ, M2, 0]`` for every
+    row (:func:`exact_rows`) and ``soft = [n, r, Σe_1, Σe·D_1, …]`` for the rows ``picks`` (as
+    :func:`~probe.stats.paths.shifted.chunk_sums` returns them; :func:`to_rows` takes both).
 
     Per chunk: one product (its first two columns ``q_i·k̄`` and ``q_i·P``), ``‖C‖²``, the mask's
     addition and ``amax``. The sampled rows (``picks``, local indices per chunk) are copied out
@@ -327,7 +221,7 @@ def centred_stats(call: AttentionCall, valid: Optional[Tensor], scales: Sequence
     sampled = e_buf = None
     if not every:  # the sampled rows' C, masked (NEG) beyond each chunk's keys, a bounded batch
         total = sum(int(p.shape[0]) for p in picks if p is not None)  # of them at a time
-        cap = max(1, min(total, _SAMPLED_BYTES // max(1, batch * heads * keys * 4)))
+        cap = max(1, min(total, SAMPLED_BYTES // max(1, batch * heads * keys * 4)))
         sampled = torch.full((batch, heads, cap, keys), NEG, device=device)
         e_buf = torch.empty(batch * heads * cap * keys, device=device)
     parts: List[Tensor] = []
@@ -339,7 +233,7 @@ def centred_stats(call: AttentionCall, valid: Optional[Tensor], scales: Sequence
         nonlocal used, cmax_parts
         top = torch.cat(cmax_parts, dim=-1) if len(cmax_parts) > 1 else cmax_parts[0]
         D = sampled[:, :, :used, :cols].sub_(torch.where(top <= NEG / 2, 0.0, top).unsqueeze(-1))
-        soft_parts.append(torch.stack(_softmax_sums(D, scales, e_buf[: D.numel()].view(D.shape))))
+        soft_parts.append(torch.stack(exp_sums(D, D, scales, e_buf[: D.numel()].view(D.shape))))
         D.fill_(NEG)  # the buffer is reused: keys beyond a later row's chunk stay masked
         used, cmax_parts = 0, []
     for index, r0 in enumerate(range(0, length, step)):
@@ -350,7 +244,7 @@ def centred_stats(call: AttentionCall, valid: Optional[Tensor], scales: Sequence
             prep.kt[..., 0] = prep.before[..., index]
         full = full_buf[: batch * heads * rows * (cols + 1)].view(batch, heads, rows, cols + 1)
         qc = q[:, :, r0:r1].float()
-        if prep.g > 1:  # q rows as (B, Hk, g·rows, d): one product per kv head (chunks._iter)
+        if prep.g > 1:  # q rows as (B, Hk, g·rows, d): one product per kv head (chunks.row_chunks)
             torch.matmul(qc.reshape(batch, prep.kv, prep.g * rows, dim), prep.kt[..., : 1 + cols],
                          out=full.view(batch, prep.kv, prep.g * rows, cols + 1))
         else:
@@ -379,7 +273,7 @@ def centred_stats(call: AttentionCall, valid: Optional[Tensor], scales: Sequence
         pick = picks[index]
         if every:
             top = torch.where(cmax <= NEG / 2, 0.0, cmax).unsqueeze(-1)
-            soft_parts.append(torch.stack(_softmax_sums(C.sub_(top), scales, work[: C.numel()].view(C.shape))))
+            soft_parts.append(torch.stack(exp_sums(C.sub_(top), C, scales, work[: C.numel()].view(C.shape))))
         else:
             taken = 0
             while pick is not None and taken < pick.shape[0]:
@@ -396,7 +290,7 @@ def centred_stats(call: AttentionCall, valid: Optional[Tensor], scales: Sequence
     per_row = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]  # (5, B, H, L)
     c_off, sq, cmax, c_diag, sq_diag = per_row.unbind(0)
     csum = c_off.double() + c_diag.double()  # Σ_j C_ij over the valid keys
-    exact, cmax = _exact_rows(prep, csum, sq.double().square() + sq_diag.double().square(), cmax)
+    exact, cmax = exact_rows(prep, csum, sq.double().square() + sq_diag.double().square(), cmax)
     n = prep.n
     r = exact[1]
     if every:
@@ -410,7 +304,7 @@ def centred_stats(call: AttentionCall, valid: Optional[Tensor], scales: Sequence
     return exact, [n_s, r_s] + list(soft_all.unbind(0))
 
 
-def _exact_rows(prep: CentredPrep, csum: Tensor, sumsq: Tensor, cmax: Tensor) -> Tuple[List[Tensor], Tensor]:
+def exact_rows(prep: CentredPrep, csum: Tensor, sumsq: Tensor, cmax: Tensor) -> Tuple[List[Tensor], Tensor]:
     """``[n, r, μ, M2, 0]`` per row (float64 mean and M2) from each row's ``Σ_j C_ij`` and
     ``Σ_j C_ij²`` (float64) and ``max_j C_ij`` (``NEG`` where every key is masked), and that
     max with fully masked rows at 0."""
@@ -424,12 +318,16 @@ def _exact_rows(prep: CentredPrep, csum: Tensor, sumsq: Tensor, cmax: Tensor) ->
     return [n, r, mean, m2, zero], cmax
 
 
-def row_moments(n: Tensor, mean_row: Tensor, m2: Tensor, acc: torch.dtype) -> Tensor:
-    """``(3, H)`` ``[count, mean, M2]`` per head from every row's count, mean and ``M2``
-    ``(B, H, L)``, combined in ``acc`` (Chan: a sum of non-negative terms, no cancellation)."""
-    n64 = n.to(acc)
-    mean_row = mean_row.to(acc)
-    count = n64.sum((0, 2))
-    mean = (n64 * mean_row).sum((0, 2)) / count.clamp(min=1)
-    spread = (n64 * (mean_row - mean.view(1, -1, 1)).square()).sum((0, 2))
-    return torch.stack([count, mean, torch.where(n > 0, m2.to(acc), 0.0).sum((0, 2)) + spread])
+def to_rows(exact: List[Tensor], soft: List[Tensor], scales: Sequence[float], positions: Optional[Tensor]) -> Rows:
+    """:class:`Rows` from :func:`centred_rows`' (or the key blocks') per-row sums."""
+    n, r, mean, m2, zero = exact
+    entropy, max_prob = softmax_rows(soft[0], soft[2:], scales)
+    return Rows(n, r, mean, m2, nonfinite_rows(zero, n, r, scales[0]), None, soft[0], entropy, max_prob, positions)
+
+
+def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
+    """The centred path's :class:`Rows` in chunks of ``plan.step`` query rows (the call causal
+    also when its mask held the causal pattern: ``plan.causal``)."""
+    call = dataclasses.replace(call, causal=plan.causal)
+    exact, soft = centred_rows(call, plan.valid, plan.floats, plan.step, chunk_picks(call, plan)[1])
+    return to_rows(exact, soft, plan.floats, plan.positions)

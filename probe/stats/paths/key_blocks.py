@@ -1,14 +1,15 @@
-"""The centred path over blocks of keys: :mod:`probe.stats.moments` in bounded memory at any length.
+"""The centred path over blocks of keys: :mod:`probe.stats.paths.centred` in bounded memory at any length.
 
-The chunked centred path (:func:`probe.stats.moments.centred_stats`) keeps one centred float32
-copy of k per call and buffers that span every key: 70 MiB of tensors at (1, 8, 16384, 64),
-growing with S. :func:`blocked_keys` says when a call would outgrow a quarter of
-``memory_budget`` that way; :func:`centred_stats_blocked` then computes the same per-row sums
-from blocks of keys (docs/performance.md, "Long calls: blocks of keys").
+The chunked centred path (:func:`probe.stats.paths.centred.centred_rows`) keeps one centred
+float32 copy of k per call and buffers that span every key: 70 MiB of tensors at
+(1, 8, 16384, 64), growing with S. :func:`probe.stats.plan.blocked_keys` says when a call would
+outgrow a quarter of ``memory_budget`` that way; :func:`blocked_rows` then computes the same
+per-row sums from blocks of keys (docs/performance.md, "Long calls: blocks of keys").
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -16,34 +17,19 @@ from torch import Tensor
 
 from probe.call import AttentionCall
 from probe.stats.chunks import grouped_product
-from probe.stats.moments import _PREP_BYTES, _SAMPLED_BYTES, NEG, CentredPrep, _exact_rows, _softmax_sums
+from probe.stats.paths.centred import NEG, PREP_BYTES, CentredPrep, exact_rows, to_rows
+from probe.stats.plan import CallPlan
+from probe.stats.rows import Rows, exp_sums
 
-__all__ = ["blocked_keys", "centred_stats_blocked"]
+__all__ = ["blocked_rows", "forward_rows"]
 
 # Bytes of one block of centred keys and of one block of C.
 _BLOCK_BYTES = 2 * 2**20
 
 
-def blocked_keys(call: AttentionCall, valid: Optional[Tensor], step: int, picks: Optional[int],
-                 budget_bytes: int) -> bool:
-    """Whether the centred path runs over blocks of keys (:func:`centred_stats_blocked`): when
-    :func:`centred_stats`'s centred copy of k and buffers (a chunk of ``step`` query rows over
-    every key; the exponentials' buffer of the same size, or with ``picks`` sampled rows the
-    two buffers of gathered rows) would take more than a quarter of ``budget_bytes``. They grow
-    with the number of keys, the blocks do not."""
-    batch, heads, _, dim = call.q.shape
-    kv, keys = call.k.shape[1], call.k.shape[2]
-    if valid is not None and valid.shape[1] > 1:
-        kv = heads  # a per-head mask: k per query head
-    copy = batch * kv * dim * (keys + 1) * 4
-    chunk = batch * heads * step * (keys + 1) * 4
-    exps = chunk if picks is None else 2 * min(_SAMPLED_BYTES, picks * batch * heads * keys * 4)
-    return copy + chunk + exps > budget_bytes // 4
-
-
 def _block_shape(batch: int, heads: int, kv: int, dim: int, length: int, keys: int,
                  budget_bytes: int) -> Tuple[int, int]:
-    """(keys per block, query rows per block) of :func:`centred_stats_blocked`: a block of
+    """(keys per block, query rows per block) of :func:`blocked_rows`: a block of
     centred keys and a block of ``C`` near ``_BLOCK_BYTES`` each (a sixteenth of a smaller
     budget), and at least 16 keys and rows (the per-block Python overhead)."""
     size = min(_BLOCK_BYTES, budget_bytes // 16)
@@ -53,9 +39,9 @@ def _block_shape(batch: int, heads: int, kv: int, dim: int, length: int, keys: i
     return max(1, width), max(1, rows)
 
 
-def centred_stats_blocked(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[float],
+def blocked_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[float],
                           positions: Optional[Tensor], budget_bytes: int) -> Tuple[List[Tensor], List[Tensor]]:
-    """:func:`centred_stats` in bounded memory at any length: no centred copy of k and no
+    """:func:`~probe.stats.paths.centred.centred_rows` in bounded memory at any length: no centred copy of k and no
     buffer over every key. Keys are centred a block at a time (:meth:`CentredPrep.block`);
 
     1. per block of keys and block of query rows, ``C = q·k̃ᵀ`` (causal entries after the row
@@ -67,14 +53,14 @@ def centred_stats_blocked(call: AttentionCall, valid: Optional[Tensor], scales: 
        moved onto it exactly (``Σe·e^{−σδ}``, ``(Σe·D − δΣe)·e^{−σδ}``), so that ``max P = 1/Σe``
        holds.
 
-    Returns what :func:`centred_stats` returns. Memory: one block of keys and two of ``C``
+    Returns what :func:`~probe.stats.paths.centred.centred_rows` returns. Memory: one block of keys and two of ``C``
     (:func:`_block_shape`) and ``O(B·H·L)`` per-row floats (about a fifth of q's size at d = 64).
     """
     q = call.q
     batch, heads, length, dim = q.shape
     keys = call.k.shape[2]
     device = q.device
-    prep = CentredPrep(call, valid, 0, blocked=True, block_bytes=min(_PREP_BYTES, budget_bytes // 16))
+    prep = CentredPrep(call, valid, 0, blocked=True, block_bytes=min(PREP_BYTES, budget_bytes // 16))
     kv, causal = prep.kv, call.causal
     width, rows = _block_shape(batch, heads, kv, dim, length, keys, budget_bytes)
     kbuf = torch.empty(batch * kv * dim * width, device=device)
@@ -108,7 +94,7 @@ def centred_stats_blocked(call: AttentionCall, valid: Optional[Tensor], scales: 
             if prep.keybias is not None:
                 C.add_(prep.keybias[..., k0:end])
             torch.maximum(cmax[..., r0:r1], C.amax(-1), out=cmax[..., r0:r1])
-    exact, cmax = _exact_rows(prep, csum, sumsq, cmax)
+    exact, cmax = exact_rows(prep, csum, sumsq, cmax)
     del csum, sumsq
 
     n, r = exact[0], exact[1]
@@ -141,7 +127,7 @@ def centred_stats_blocked(call: AttentionCall, valid: Optional[Tensor], scales: 
                 C.add_(prep.keybias[..., k0:end])
             D = C.sub_(top[..., b0:b1].unsqueeze(-1))
             torch.maximum(dmax[..., b0:b1], D.amax(-1), out=dmax[..., b0:b1])
-            part = _softmax_sums(D, scales, ebuf[: D.numel()].view(D.shape))
+            part = exp_sums(D, D, scales, ebuf[: D.numel()].view(D.shape))
             sums[:, :, :, b0:b1] += torch.stack(part)
     delta = torch.where(dmax <= NEG / 2, 0.0, dmax)  # the recomputed rows' largest D (≈ 0)
     soft = []
@@ -150,3 +136,11 @@ def centred_stats_blocked(call: AttentionCall, valid: Optional[Tensor], scales: 
         se, sed = sums[2 * i], sums[2 * i + 1]
         soft += [se * moved, (sed - delta * se) * moved]
     return exact, [n, r] + soft
+
+
+def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
+    """The centred path's :class:`Rows` over blocks of keys (the call causal also when its mask
+    held the causal pattern: ``plan.causal``)."""
+    call = dataclasses.replace(call, causal=plan.causal)
+    exact, soft = blocked_rows(call, plan.valid, plan.floats, plan.positions, plan.budget_bytes)
+    return to_rows(exact, soft, plan.floats, plan.positions)

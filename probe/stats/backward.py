@@ -1,0 +1,184 @@
+"""Pure, on-device reductions of the backward pass of attention into per-head sums of squares.
+
+Two kinds of gradient are measured (docs/gradients.md):
+
+* ``grad_q``, ``grad_k``, ``grad_v``: the norms of what autograd computed for the tensors the
+  model passed to attention, per head (per kv head for k and v under grouped-query attention).
+  :func:`head_sq` reduces one such gradient.
+* ``grad_logits`` at every scale σ: the gradient the softmax passes back to its logits,
+
+  ``∂L/∂Z^σ = P^σ ⊙ (dP − rowsum(P^σ ⊙ dP))``  with  ``dP = (∂L/∂out) · vᵀ``,
+
+  where ``P^σ = softmax(Z^σ)`` over valid keys. ``dP`` is the gradient with respect to the
+  probabilities; it depends on the output gradient and on ``v`` only, so it is *held fixed*
+  across scales: the counterfactual scales answer "what would the softmax pass back, at this
+  scale, for the same upstream gradient". At ``actual`` it is exactly the gradient of the
+  model's logits (without attention dropout). :func:`grad_logits_stats` computes it.
+
+Everything here is a function of tensors: no state, no host synchronization, so it runs on
+``meta`` tensors. Logits are rebuilt in chunks of query rows
+(:func:`probe.stats.chunks.row_chunks`), so the extra memory is bounded by a byte budget
+whatever the sequence length. ``grad_logits`` follows the forward's plan
+(:mod:`probe.stats.plan`): the path's gradient rows, then the one reducer
+(:func:`probe.stats.reduce.grad_totals`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from probe.call import AttentionCall, Scale
+from probe.stats.chunks import DPSource, accumulation_dtype, kv_view, minmax
+from probe.stats.paths import general, logits, shifted
+from probe.stats.plan import CallPlan, plan_call
+from probe.stats.reduce import grad_totals
+
+__all__ = ["BACKWARD_METRICS", "BACKWARD_PATH", "grad_logits_stats", "grad_scale", "head_sq"]
+
+#: Metrics computed from the backward pass, in the order they are reported.
+BACKWARD_METRICS = ("grad_logits", "grad_q", "grad_k", "grad_v")
+
+#: The gradient rows of each forward path: the centred paths' backward is the shifted one.
+BACKWARD_PATH = {"centred": "shifted", "key_blocks": "shifted", "shifted": "shifted", "general": "general",
+                 "logits": "logits"}
+
+#: The module computing each backward path's rows (looked up per call: a test may wrap one).
+PATH_MODULES = {"shifted": shifted, "general": general, "logits": logits}
+
+# Bytes of the upcast copy of one chunk of gradient rows in head_sq: near a core's L2 cache.
+_HEAD_SQ_BYTES = 2 * 2**20
+
+
+def head_sq(grad: Tensor, budget_bytes: int = _HEAD_SQ_BYTES) -> Tensor:
+    """Per-head sum of squares of a ``(B, H, L, d)`` gradient, shape ``(H,)``.
+
+    ``‖g_h‖² = Σ_{b, i} ‖g[b, h, i, :]‖²``: the norm kernel reduces each row's contiguous last
+    dimension in the accumulation dtype (no squared copy of ``g`` is materialized), then the
+    ``(B, H, L)`` row norms are squared and summed. Rows go in chunks whose upcast copy stays
+    within ``budget_bytes`` (at most ``_HEAD_SQ_BYTES``, cache-sized).
+
+    Reducing dims ``(0, 2, 3)`` in one call was 2.5 to 4 times slower on one thread (and up to
+    15 times on two) on Hugging Face's layout, a transposed view of ``(B, L, H, d)``, whose
+    ``(B, L)`` dims cannot be merged (docs/performance.md, "Backward").
+
+    Pitfall: a half-precision gradient squared in its own dtype overflows at 256, and a float32
+    sum of squares overflows once entries pass ~1.8e19 (a loss scaled by 1e30 whose gradients are
+    still finite) and underflows below ~1e-19: the norm's ``dtype=`` upcasts, to float64 where
+    the device has it. It does so by copying its whole input first (measured: 258 MiB of peak
+    memory for a 128 MiB float32 gradient in one call), hence the chunks.
+    """
+    acc = accumulation_dtype(grad.device)
+    dtype = torch.float64 if acc == torch.float64 or grad.dtype == torch.float64 else torch.float32
+    batch, heads, length, dim = grad.shape
+    row_bytes = batch * heads * dim * (torch.finfo(dtype).bits // 8)
+    step = max(1, min(budget_bytes, _HEAD_SQ_BYTES) // max(1, row_bytes))
+    total: Optional[Tensor] = None
+    for r0 in range(0, length, step):
+        part = torch.linalg.vector_norm(grad[:, :, r0 : r0 + step], dim=-1, dtype=dtype).square_().sum((0, 2))
+        total = part if total is None else total.add_(part)
+    return (torch.zeros(heads, dtype=dtype, device=grad.device) if total is None else total).to(acc)
+
+
+def grad_scale(grad: Tensor) -> Tensor:
+    """A power of two ``2**-e`` (0-dim float32, on the device, no host sync) that brings the
+    largest entry of ``grad`` into ``[1, 2)``; 1 for a zero, empty or non-finite ``grad``.
+
+    ``∂L/∂Z`` is linear in the upstream gradient, so sums of squares computed from
+    ``grad * grad_scale(grad)`` and divided by its square in float64 are the same numbers without
+    the float32 overflow of a huge but finite gradient (a loss scaled by 1e30). Powers of two
+    scale exactly. The largest magnitude comes from ``aminmax`` (one pass; NaN propagates):
+    ``vector_norm(ord=inf)`` took 17 times as long on a CPU.
+    """
+    if grad.numel() == 0:
+        return torch.ones((), device=grad.device)
+    lo, hi = minmax(grad.detach())
+    exponent = torch.floor(torch.log2(torch.maximum(hi, -lo).float()))
+    ok = torch.isfinite(exponent)
+    return torch.where(ok, torch.exp2(-torch.where(ok, exponent, 0.0)), 1.0)
+
+
+@torch.no_grad()  # as forward_stats: also under a backward with create_graph=True
+def grad_logits_stats(
+    call: AttentionCall,
+    grad_output: Optional[Tensor],
+    scales: Mapping[str, Optional[Scale]],
+    budget_bytes: int = 64 * 2**20,
+    *,
+    grad_probs: Optional[Tensor] = None,
+    rows: Optional[Tensor] = None,
+    plan: Optional[CallPlan] = None,
+) -> Dict[str, Tensor]:
+    """``grad_logits_sq@{scale}`` for every scale: per-head sums of squares of ``∂L/∂Z^σ``.
+
+    ``dP`` is ``grad_output · vᵀ`` or, for an eager call whose softmax output was hooked, the
+    hooked gradient ``grad_probs = ∂L/∂P`` itself. One ``q·kᵀ`` and one ``dP`` per chunk of query
+    rows serve every scale; scales with the same value share one pass.
+
+    Args:
+        call: the attention computation (``q``, ``k``, ``v``, bias/mask, causal, softcap).
+        grad_output: ``∂L/∂out``, ``(B, H, L, dv)`` (what a hook on ``call.output`` receives), or
+            ``None`` when ``grad_probs`` is given.
+        scales: scale name → value. ``None`` stands for the call's own logits (``call.logits``,
+            an eager call whose scale could not be recovered): ``P = softmax(call.logits)``.
+        budget_bytes: extra memory one chunk may use.
+        grad_probs: ``∂L/∂P`` in any layout with ``B·H·L·S`` elements (an eager softmax output
+            may be ``(B·H, L, S)``).
+        rows: sorted CPU positions of sampled query rows (the ``rows=`` budget, the positions
+            the forward statistics used), or ``None`` for every row. Sampled, only those rows'
+            logits and ``dP`` are formed, and the sums are Horvitz-Thompson estimates with
+            their variances in ``grad_logits_var@{scale}``: on the shifted path
+            (:func:`~probe.stats.paths.shifted.grad_rows`) and on the general one alike
+            (bias, softcap, per-head or non-positive scales, ``grad_probs``, own logits).
+        plan: the forward's plan of this call (:func:`~probe.stats.plan.plan_call`, the call
+            already simplified): its path, scale groups and sampled rows are used, and ``scales``
+            and ``rows`` ignored. ``None``: planned here.
+
+    Returns:
+        ``{"grad_logits_sq@{name}": (H,) tensor}`` in the accumulation dtype; empty when the call
+        has no query rows or no source for ``dP``.
+
+    Pitfall: with attention dropout *after* the softmax, ``grad_output · vᵀ`` misses the dropout
+    mask and its ``1/(1-p)`` rescaling (SDPA's ``dropout_p``): the actual scale is then an
+    approximation. ``grad_probs`` (eager) already contains them and is exact.
+    """
+    if _empty(call):
+        return {}
+    if plan is None:
+        call, plan = plan_call(call, scales, budget_bytes, rows)
+    if not plan.names:
+        return {}
+    batch, heads, length, keys = call.q.shape[0], call.q.shape[1], plan.length, plan.keys
+    if grad_probs is not None:
+        dprobs = grad_probs.reshape(batch, heads, length, keys)
+        gs = grad_scale(dprobs)  # dP scaled to at most 2: no float32 overflow in the squares
+        dp = DPSource(gs, dprobs=dprobs)
+    elif grad_output is not None and call.v is not None:
+        # (B, Hk, dv, S) over a contiguous float32 v: one copy at most (a half-precision
+        # transposed v was copied twice, to float32 and then to contiguous), none for a large
+        # transposed float32 v (read in place, chunks.kv_product)
+        vt, strided = kv_view(call.v)
+        dout = grad_output.reshape(batch, heads, length, grad_output.shape[-1])
+        gs = grad_scale(dout)  # as above, applied to each chunk of dout rows
+        dp = DPSource(gs, dout=dout, vt=vt, strided=strided)
+    else:
+        return {}
+    if plan.path == "logits" and call.logits is None:
+        return {}  # the call's own logits were asked for but it has none
+    per_row = PATH_MODULES[BACKWARD_PATH[plan.path]].grad_rows(call, plan, dp)
+    sums, variances = grad_totals(per_row, plan.positions, length, plan.acc)
+    unscale = gs.to(plan.acc).square()
+    out: Dict[str, Tensor] = {}
+    for i, names in enumerate(plan.names):
+        for name in names:
+            out[f"grad_logits_sq@{name}"] = sums[i] / unscale
+            if variances is not None:
+                out[f"grad_logits_var@{name}"] = variances[i] / unscale.square()
+    return out
+
+
+def _empty(call: AttentionCall) -> bool:
+    batch, heads, length, _ = call.q.shape
+    return batch * heads * length * call.k.shape[2] == 0

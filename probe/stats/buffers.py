@@ -1,0 +1,73 @@
+"""Reused flat buffers for the chunks of one call (and, on CPUs, the next call of the thread).
+
+A fresh chunk-sized tensor per operation costs page faults on CPUs (measured: 7 of 17 ms of a
+T5-shaped call on the general path); the same chunk shapes come back every layer and step.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Dict, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["KEEP_BYTES", "Scratch", "release", "take_scratch"]
+
+
+class Scratch:
+    """Flat buffers of one call, reused by every chunk. ``size`` is the widest chunk's
+    ``B·H·rows·S``. :func:`take_scratch` keeps them for the thread's next call."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.size, self.device = size, device
+        self._buffers: Dict[str, Tensor] = {}
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def get(self, name: str, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> Tensor:
+        """A ``shape`` view of the buffer ``name`` (contents undefined)."""
+        n = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = self._buffers[name] = torch.empty(max(n, self.size), dtype=dtype, device=self.device)
+        return buf[:n].view(tuple(shape))
+
+
+#: Bytes of buffers a thread keeps between calls on CPUs (:func:`take_scratch`).
+KEEP_BYTES = 16 * 2**20
+
+_KEPT = threading.local()
+
+
+def take_scratch(size: int, device: torch.device) -> Scratch:
+    """The buffers of one call: on CPUs the calling thread's, kept from its previous call while
+    they total at most :data:`KEEP_BYTES` (fresh ones cost their page faults every call, measured
+    2.5 of 6.8 ms forward and 2.4 of 5.0 ms backward on a T5-shaped call); elsewhere (the caching
+    allocators of accelerators) new ones. Call :func:`release` when done."""
+    if device.type != "cpu":
+        return Scratch(size, device)
+    kept = getattr(_KEPT, "scratch", None)
+    _KEPT.scratch = None  # taken: a nested call (none is expected) would get its own
+    if kept is None:
+        return Scratch(size, device)
+    kept.size = size
+    return kept
+
+
+def release(buffers: Scratch) -> None:
+    """Hand a call's buffers back to its thread (CPUs, within :data:`KEEP_BYTES`)."""
+    if buffers.device.type == "cpu" and buffers.nbytes() <= KEEP_BYTES:
+        _KEPT.scratch = buffers
+
+
+def kept() -> bool:
+    """Whether the calling thread holds buffers for its next call."""
+    return getattr(_KEPT, "scratch", None) is not None
+
+
+def forget() -> None:
+    """Drop the calling thread's kept buffers."""
+    _KEPT.scratch = None

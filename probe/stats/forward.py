@@ -1,0 +1,138 @@
+"""Forward statistics of one call: plan → path → the one reducer → accumulator fields.
+
+Everything here is a function of tensors: no state, no host synchronization (no ``.item()``,
+no data-dependent shapes) beyond the facts the plan reads on CPUs, so it runs unchanged on
+``meta`` tensors. Running state and its combination across calls, steps and ranks live in
+:mod:`probe.state.accumulator`.
+
+Notation (DESIGN.md): ``R = q @ k.T`` (raw dot products), ``A`` the additive bias with masked
+entries removed, ``σ`` a scale, ``Z = σR + A`` (``c·tanh(σR/c) + A`` with softcap ``c``),
+``P = softmax(Z)`` over valid keys.
+
+Cost model (docs/performance.md): per chunk of query rows, one ``q·kᵀ`` serves every scale; the
+logit moments are scale-linear (``Var(σR) = σ²Var(R)``, ``max σR = σ max R``, the min for negative
+scales), so they come from one pass over ``R``; each distinct scale costs one exponential on the
+sampled rows. Which path computes the rows is the plan's choice (:mod:`probe.stats.plan`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Mapping, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from probe.call import AttentionCall, Scale
+from probe.stats.paths import centred, general, key_blocks, logits, shifted
+from probe.stats.plan import CallPlan, plan_call
+from probe.stats.reduce import Heads, reduce_rows
+from probe.stats.rows import Rows
+
+__all__ = ["FORWARD_METRICS", "forward_fields", "forward_stats", "logits_stats"]
+
+#: Metrics computed in the forward pass, in the order they are reported.
+FORWARD_METRICS = ("logit_var", "logit_max", "entropy", "max_prob", "saturation", "nonfinite")
+
+#: The module computing each path's rows (looked up per call: a test may wrap one).
+PATH_MODULES = {"centred": centred, "key_blocks": key_blocks, "shifted": shifted, "general": general,
+                "logits": logits}
+
+
+@torch.no_grad()  # statistics never need autograd (and out= products refuse tensors that require grad)
+def forward_stats(
+    call: AttentionCall,
+    scales: Mapping[str, Scale],
+    saturation: float = 0.99,
+    budget_bytes: int = 64 * 2**20,
+    *,
+    rows: Union[None, int, Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+) -> Dict[str, Tensor]:
+    """All forward metrics of one call, as accumulator fields (see :mod:`probe.state.accumulator`).
+
+    One ``q @ k.T`` per chunk of query rows serves every scale; ``logit_var`` and ``logit_max``
+    are derived from the moments of ``R``; scales with the same value share one softmax pass.
+
+    Args:
+        call: the attention computation (with ``logits`` and no scale: the unknown-scale path,
+            at ``actual`` only).
+        scales: scale name → value (``"actual"`` must be present; it also gives ``nonfinite``).
+        saturation: τ, a row is saturated when its max probability is at least τ.
+        budget_bytes: extra memory allowed for one call's buffers.
+        rows: a budget of query rows for the exponential metrics. ``None`` (or ``N >= L``):
+            every row, all statistics exact. An int ``N < L`` draws ``N`` distinct positions
+            by the stratified design (:func:`~probe.stats.sampling.sample_rows`, with
+            ``generator``); a 1-D tensor gives the sorted positions (drawn by that design). Only
+            ``entropy``, ``max_prob`` and ``saturated`` are then computed on those rows, as
+            totals estimated by the ratio of their Horvitz–Thompson sums (weights ``L_h/n_h``) to
+            that of the valid rows, times the exact valid-row count ``rows``
+            (:func:`~probe.stats.reduce.reduce_rows`), with ``{field}_var@{s}`` fields holding
+            each total's estimated variance; ``logit_var``, ``logit_max``, the row count and
+            ``nonfinite`` stay exact, on every path.
+        generator: the CPU generator for ``rows=N`` (``None``: torch's global generator).
+
+    Returns:
+        Field name → per-head tensor: ``logit@{s}`` (count/mean/M2 stack), ``logit_max@{s}``,
+        ``rows``, ``entropy@{s}``, ``max_prob@{s}``, ``saturated@{s}`` and ``nonfinite``; with
+        sampled rows also ``entropy_var@{s}``, ``max_prob_var@{s}``, ``saturated_var@{s}``.
+    """
+    if _empty(call):
+        return {}  # batch 0, no heads, no queries or no keys: nothing to measure
+    call, plan = plan_call(call, scales, budget_bytes, rows, generator)
+    return forward_fields(call, plan, saturation)
+
+
+def logits_stats(logits: Tensor, saturation: float = 0.99, budget_bytes: int = 64 * 2**20) -> Dict[str, Tensor]:
+    """:func:`forward_stats` of a call known only by its softmax input ``Z`` ``(B, H, L, S)``
+    (any float dtype, computed in float32): the fields at ``actual``."""
+    batch, heads, length, keys = logits.shape
+    dummy = torch.empty(batch, heads, length, 0, device=logits.device)
+    call = AttentionCall(q=dummy, k=torch.empty(batch, heads, keys, 0, device=logits.device), v=None,
+                         scale=None, logits=logits)
+    if logits.numel() == 0:
+        return {}
+    return forward_fields(*plan_call(call, {"actual": None}, budget_bytes), saturation)
+
+
+@torch.no_grad()
+def forward_fields(call: AttentionCall, plan: CallPlan, saturation: float = 0.99) -> Dict[str, Tensor]:
+    """The accumulator fields of a planned call (:func:`~probe.stats.plan.plan_call`)."""
+    if _empty(call):
+        return {}
+    rows: Rows = PATH_MODULES[plan.path].forward_rows(call, plan)
+    heads = reduce_rows(rows, plan.length, saturation, plan.acc)
+    return _fields(heads, plan, call.q.shape[1])
+
+
+def _empty(call: AttentionCall) -> bool:
+    batch, heads, length, _ = call.q.shape
+    return batch * heads * length * call.k.shape[2] == 0
+
+
+def _fields(h: Heads, plan: CallPlan, heads: int) -> Dict[str, Tensor]:
+    out: Dict[str, Tensor] = {"nonfinite": h.nonfinite}
+    for i, (names, value) in enumerate(zip(plan.names, plan.values)):
+        moments, top = _scaled(h, 1.0 if value is None else value, heads)
+        for name in names:
+            out[f"logit@{name}"], out[f"logit_max@{name}"] = moments, top
+            out[f"entropy@{name}"], out[f"max_prob@{name}"], out[f"saturated@{name}"] = h.soft[i, 1:].unbind(0)
+            if h.var is not None:
+                out[f"entropy_var@{name}"], out[f"max_prob_var@{name}"], out[f"saturated_var@{name}"] = (
+                    h.var[i].unbind(0))
+    out["rows"] = h.soft[0, 0]
+    return out
+
+
+def _scaled(h: Heads, scale: Scale, heads: int) -> Tuple[Tensor, Tensor]:
+    """(count, mean, M2) and max of ``σR`` from the moments of ``R`` (scale-linear); the max of
+    ``σR`` is ``σ·min R`` for ``σ < 0``: the general path keeps the min for negative and per-head
+    scales (+inf stands in for it elsewhere: a NaN scale gives a NaN max)."""
+    low = h.low if h.low is not None else torch.full_like(h.top, math.inf)
+    if isinstance(scale, Tensor):
+        s = scale.to(device=h.mean.device, dtype=h.mean.dtype).reshape(-1).expand(heads)
+        top = torch.where(s >= 0, s * h.top, s * low)
+    else:
+        s = float(scale)
+        top = s * h.top if s >= 0 else s * low
+    return torch.stack([h.count, s * h.mean, s * s * h.m2]), top

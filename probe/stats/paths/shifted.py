@@ -1,0 +1,176 @@
+"""The shifted path: one ``exp2`` per scale on ``D = R − rowmax(R)``, forward and backward.
+
+For calls without bias or softcap and with positive float scales (SDPA defaults, BERT, Llama,
+GPT) whose mask the centred path does not take (a row-dependent mask, inputs not proven finite,
+a device other than the CPU): ``σ·rowmax(R)`` is the row max of ``σR`` for ``σ > 0``, so ``D`` is
+formed once per chunk and each distinct scale costs one exponential (docs/performance.md). The
+backward of the centred paths is this one too.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from probe.call import AttentionCall
+from probe.stats.chunks import DPSource, all_finite, row_chunks
+from probe.stats.plan import CallPlan, backward_step, chunk_picks
+from probe.stats.rows import LOG2E, Rows, exact_pass, exp_sums, moment_rows, nonfinite_rows, softmax_rows
+
+__all__ = ["causal_upper", "chunk_sums", "forward_rows", "grad_rows", "mask_"]
+
+
+def causal_upper(step: int, device: torch.device) -> Tensor:
+    """The diagonal block's causal mask for chunks of ``step`` rows, additive: ``−inf`` above the
+    diagonal, 0 elsewhere (built once per call; see :func:`mask_`)."""
+    upper = torch.ones(step, step, dtype=torch.bool, device=device).triu(1)
+    return torch.zeros(step, step, device=device).masked_fill_(upper, -math.inf)
+
+
+def mask_(R: Tensor, valid: Optional[Tensor], causal: Optional[Tuple[int, Tensor]], finite: bool) -> None:
+    """Set the masked entries of a chunk ``R`` to ``−inf`` in place: ``valid`` False, or with
+    ``causal = (r0, upper)`` (:func:`causal_upper`) above the diagonal of the block at key ``r0``.
+
+    When ``finite`` (:func:`~probe.stats.chunks.all_finite`) the mask is added as 0 / ``−inf``: on
+    CPUs a broadcast ``masked_fill_`` costs four to five times an addition. Otherwise
+    ``masked_fill_``, so that a NaN or ``+inf`` under the mask does not survive it.
+    """
+    keys = R.shape[-1]
+    if causal is not None:
+        r0, upper = causal
+        if keys > r0:
+            block = upper[: R.shape[2], : keys - r0]
+            if finite:
+                R[..., r0:].add_(block)
+            else:
+                R[..., r0:].masked_fill_(block.isinf(), -math.inf)
+    elif valid is not None:
+        if finite:
+            R.add_(torch.where(valid, 0.0, -math.inf))
+        else:
+            R.masked_fill_(~valid, -math.inf)
+
+
+def _row_counts(R: Tensor, valid: Optional[Tensor], causal: Optional[Tuple[int, Tensor]]) -> Tensor:
+    batch, heads, length, keys = R.shape
+    shape = (batch, heads, length)
+    if causal is not None:
+        r0 = causal[0]
+        return (torch.arange(r0 + 1, r0 + length + 1, device=R.device, dtype=torch.float32)
+                .clamp(max=keys).expand(shape))
+    if valid is None:
+        return torch.full(shape, float(keys), device=R.device)
+    return valid.sum(-1, dtype=torch.float32).expand(shape)
+
+
+def chunk_sums(R: Tensor, valid: Optional[Tensor], scales: List[float], work: Tensor,
+               causal: Optional[Tuple[int, Tensor]] = None, pick: Optional[Tensor] = None
+               ) -> Tuple[List[Tensor], List[Tensor]]:
+    """Per-row sums of one chunk, each ``(B, H, l)`` float32: ``([n, r, ΣD, ΣD², #non-finite]``
+    for every row, ``[Σe_1, Σe·D_1, …]`` for the rows ``pick`` (local, sorted; ``None``: every
+    row)). ``work``: scratch of at least ``2·R.numel()`` floats. ``causal = (r0, upper)``: the
+    chunk starts at query ``r0`` and is causal with no other mask; only its diagonal block is
+    masked, with ``upper`` built once per call (masks that grow with the chunk's width fragment
+    the CPU heap: +20 MiB of resident memory at L = 4096).
+
+    Non-finite logits are counted only when the chunk may have some: on CPUs one sum of ``R``
+    (a free host check there) proves most chunks clean and skips the count's three passes.
+
+    Pitfall: ``R`` is overwritten. Masked entries of ``D`` are ``−inf`` for the exponential and 0
+    in the sums (``0·(−inf)`` would be NaN); a fully masked row has ``r = −inf``, replaced by 0.
+    """
+    e = work[: R.numel()].view(R.shape)
+    masked = valid is not None or causal is not None
+    finite = all_finite(R)  # before masking: every entry of the chunk, valid or not
+    mask_(R, valid, causal, finite)
+    n_row = _row_counts(R, valid, causal)
+    D, D0, exact = exact_pass(R, masked, finite, n_row, work[R.numel() : 2 * R.numel()].view(R.shape))
+    if pick is not None:
+        D, D0 = D.index_select(2, pick), (D0.index_select(2, pick) if masked else None)
+        D0 = D if D0 is None else D0
+        e = e.view(-1)[: D.numel()].view(D.shape)
+    return [n_row] + exact, exp_sums(D, D0, scales, e)
+
+
+def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
+    """Every row's exact statistics and the sampled rows' exponential ones (:class:`Rows`), in
+    chunks of ``plan.step`` rows: causal chunks stop at their last query, and without other
+    masks only their diagonal block is masked, with one mask."""
+    batch, heads = call.q.shape[:2]
+    device = call.q.device
+    step, floats = plan.step, plan.floats
+    last, picks = chunk_picks(call, plan)
+    block = call.causal and call.mask is None
+    upper = causal_upper(step, device) if block else None
+    work = torch.empty(2 * batch * heads * step * plan.keys, device=device)  # the widest chunk
+    exact_parts: List[Tensor] = []
+    soft_parts: List[Tensor] = []
+    n_parts: List[Tensor] = []
+    chunks = row_chunks(call, step, None, reuse=True, last=last, causal_mask=not block)
+    for index, (R, valid, _) in enumerate(chunks):
+        causal = None if upper is None else (index * step, upper)
+        exact, soft = chunk_sums(R, valid, floats, work, causal, picks[index])
+        # one (K, B, H, l) tensor per chunk: thousands of small tensors cost heap at long L
+        exact_parts.append(torch.stack(exact))
+        soft_parts.append(torch.stack(soft))
+        n_parts.append(exact[0] if picks[index] is None else exact[0].index_select(2, picks[index]))
+    exact_all = torch.cat(exact_parts, dim=-1) if len(exact_parts) > 1 else exact_parts[0]
+    soft_all = torch.cat(soft_parts, dim=-1) if len(soft_parts) > 1 else soft_parts[0]
+    soft_n = torch.cat(n_parts, dim=-1) if len(n_parts) > 1 else n_parts[0]
+    n, r, sum_d, sum_d2, bad = exact_all.unbind(0)
+    mean, m2 = moment_rows(n, r, sum_d, sum_d2, plan.acc)
+    entropy, max_prob = softmax_rows(soft_n, list(soft_all.unbind(0)), floats)
+    return Rows(n, r, mean, m2, nonfinite_rows(bad, n, r, floats[0]), None, soft_n, entropy, max_prob,
+                plan.positions)
+
+
+def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource) -> Tensor:
+    """Per row ``Σ_j (∂L/∂Z^σ_j)²`` at each distinct positive scale, ``(G, B, H, N)`` float32, for
+    the rows of ``plan.positions`` (``None``: every row): only those rows' ``q·kᵀ`` and ``dP`` are
+    formed (the cost is proportional to their number).
+
+    ``D = R − rowmax`` is formed once per chunk and ``e = exp(σD)`` once per scale; with
+    ``c = Σ e·dP / Σe`` a row's ``Σ_j (P_j (dP_j − c))² = ‖e ⊙ (dP − c)‖² / (Σe)²``. Chunks are
+    cache-sized and reuse four buffers (R, dP, e, one product); a causal chunk stops at its last
+    query (later keys have ``P = 0``, no gradient) and, without other masks, masks only its
+    diagonal block. The values are multiplied by ``dp.gs²``.
+
+    Pitfall: a fully masked row has ``Σe = 0`` and contributes 0; a NaN row stays NaN.
+    """
+    batch, heads = call.q.shape[:2]
+    positions = plan.positions
+    total = plan.length if positions is None else positions.shape[0]
+    step = backward_step(call, plan)
+    starts = range(0, total, step)
+    last = None
+    if call.causal:  # the last query of each chunk, on the host
+        ends = [min(total, r0 + step) - 1 for r0 in starts]
+        last = ends if positions is None else [int(positions[i]) for i in ends]
+    block = call.causal and call.mask is None and positions is None
+    upper = causal_upper(step, call.q.device) if block else None
+    per_row: List[List[Tensor]] = [[] for _ in plan.values]
+    work = torch.empty(3 * batch * heads * step * plan.keys, device=call.q.device)
+    picked = None if positions is None else positions.to(call.q.device, non_blocking=True)
+    r0 = 0
+    for R, valid, _ in row_chunks(call, step, picked, reuse=True, last=last, causal_mask=not block):
+        rows, cols = R.shape[2], R.shape[3]
+        n = R.numel()
+        dP, e, t = (work[i * n : (i + 1) * n].view(R.shape) for i in range(3))
+        dp.into(dP, r0, rows, cols, picked)
+        # a sum of R proves the chunk finite on CPUs, where an added mask is cheaper (mask_)
+        mask_(R, valid, None if upper is None else (r0, upper), valid is not None and all_finite(R))
+        rmax = R.amax(-1, keepdim=True)
+        D = R.sub_(torch.where(rmax == -math.inf, 0.0, rmax))
+        for i, sigma in enumerate(plan.floats):
+            torch.mul(D, sigma * LOG2E, out=e).exp2_()
+            se = e.sum(-1, keepdim=True)
+            u = torch.mul(e, dP, out=t)  # e ⊙ dP, then e ⊙ (dP − c) = u − c·e in place
+            c = u.sum(-1, keepdim=True) / se
+            se = se.squeeze(-1)
+            g2 = torch.linalg.vector_norm(u.addcmul_(e, c, value=-1), dim=-1).square() / se.square()
+            per_row[i].append(torch.where(se == 0, 0.0, g2))
+        r0 += rows
+    return torch.stack([torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0] for parts in per_row])

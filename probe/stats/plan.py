@@ -1,0 +1,258 @@
+"""The plan of one call's statistics, built once and carried from the forward to its backward.
+
+:func:`plan_call` decides, once per call, everything the statistics depend on besides the
+tensors themselves: the mask in the form the fast paths take (:func:`probe.stats.masks.simplify`),
+the distinct scales (:func:`group_scales`: scales with the same value share every pass), the
+sampled query rows of the exponential metrics (``rows=``), the chunk lengths forward and
+backward, the facts proven on the host (finite logits, a bias that cannot mask), and the path:
+
+==============  ===============================================================================
+``centred``     no bias or softcap, positive float scales, a mask that is none, key padding,
+                causal or both, inputs proven finite (CPUs): :mod:`probe.stats.paths.centred`
+``key_blocks``  the same over blocks of keys, when its per-call buffers would outgrow a quarter
+                of the budget (:func:`blocked_keys`): :mod:`probe.stats.paths.key_blocks`
+``shifted``     no bias or softcap, positive float scales, any other mask or device:
+                :mod:`probe.stats.paths.shifted`
+``general``     a bias, softcap, per-head or non-positive scales: :mod:`probe.stats.paths.general`
+``logits``      an eager call whose scale is unknown, from its own softmax input:
+                :mod:`probe.stats.paths.logits`
+==============  ===============================================================================
+
+The backward follows the forward's plan: the ``centred``, ``key_blocks`` and ``shifted`` calls
+take the shifted gradient rows, the others their own path's. A plan holds no q, k or v (the
+backward's record holds them weakly once its hook ran: :mod:`probe.capture.grads`), only
+positions, a key mask and numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from probe.call import AttentionCall, Scale
+from probe.stats.chunks import MASK_BIAS, accumulation_dtype, cache_chunk_rows, chunk_rows, minmax
+from probe.stats.masks import key_validity, simplify
+from probe.stats.sampling import sample_rows
+
+__all__ = ["LOGIT_BOUND", "PATHS", "SAMPLED_BYTES", "CallPlan", "absmax", "backward_step", "blocked_keys",
+           "chunk_picks", "group_scales", "inputs_finite", "plan_call", "proven_finite", "shiftable"]
+
+PATHS = ("centred", "key_blocks", "shifted", "general", "logits")
+
+#: Logits proven at most this large in size (:func:`inputs_finite`) let the centred path mask with
+#: a finite value below every one of them.
+LOGIT_BOUND = 2.0**90
+
+#: Bytes of the centred path's buffer of gathered sampled rows (and of their exponentials').
+SAMPLED_BYTES = 8 * 2**20
+
+# (B, H, rows, S) float32 buffers a backward chunk keeps alive (R, dP, e, a product, masks, the
+# next chunk's rows); 8 leaves a margin (measured at L = 8192: about 6 buffers' worth of peak).
+_BACKWARD_BUFFERS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class CallPlan:
+    """What :func:`plan_call` decided for one call (module docstring).
+
+    Attributes:
+        path: one of :data:`PATHS`.
+        names: the scale names of each distinct value, the group holding ``actual`` first (it also
+            gives ``nonfinite``).
+        values: one value per group; ``None`` for the ``logits`` path (the call's own logits).
+        length, keys: query rows ``L`` and keys ``S``.
+        positions: sorted CPU positions of the rows whose exponential metrics and ``grad_logits``
+            are computed (``None``: every row). The ``logits`` path's forward uses every row.
+        step: query rows per forward chunk.
+        acc: the accumulation dtype.
+        budget_bytes: ``memory_budget``.
+        valid, causal: the centred paths' valid keys ``(b, h, S)`` (``None``: all) and causality.
+        proven, bias_masks: the general path's facts (:func:`proven_finite`).
+    """
+
+    path: str
+    names: Tuple[Tuple[str, ...], ...]
+    values: Tuple[Optional[Scale], ...]
+    length: int
+    keys: int
+    positions: Optional[Tensor]
+    step: int
+    acc: torch.dtype
+    budget_bytes: int
+    valid: Optional[Tensor] = None
+    causal: bool = False
+    proven: bool = False
+    bias_masks: bool = True
+
+    @property
+    def floats(self) -> List[float]:
+        """The values as floats (the shifted paths' scales are positive floats)."""
+        return [float(v) for v in self.values]  # type: ignore[arg-type]
+
+    @property
+    def sampled(self) -> Optional[int]:
+        """How many rows are sampled (``None``: every row)."""
+        return None if self.positions is None else int(self.positions.shape[0])
+
+
+def group_scales(scales: Mapping[str, Optional[Scale]]) -> Tuple[Tuple[Tuple[str, ...], ...], Tuple[Optional[Scale], ...]]:
+    """``(names, values)``: the scale names grouped by value (a tensor by identity), the group
+    holding ``actual`` first, and one value per group."""
+    groups: Dict[object, List[str]] = {}
+    for name, value in scales.items():
+        key = id(value) if isinstance(value, Tensor) or value is None else float(value)
+        groups.setdefault(key, []).append(name)
+    order = sorted(groups.values(), key=lambda names: "actual" not in names)
+    return tuple(tuple(n) for n in order), tuple(scales[n[0]] for n in order)
+
+
+def shiftable(call: AttentionCall, values: Sequence[Optional[Scale]]) -> bool:
+    """Whether the shifted paths apply: no bias, no softcap, finite positive float scales."""
+    return call.bias is None and call.softcap is None and all(
+        v is not None and not isinstance(v, Tensor) and 0.0 < float(v) < 1e30 for v in values
+    )
+
+
+def plan_call(call: AttentionCall, scales: Mapping[str, Optional[Scale]], budget_bytes: int = 64 * 2**20,
+              rows: Union[None, int, Tensor] = None, generator: Optional[torch.Generator] = None
+              ) -> Tuple[AttentionCall, CallPlan]:
+    """The call with its mask simplified (:func:`~probe.stats.masks.simplify`) and its plan.
+
+    Args:
+        call: the attention computation.
+        scales: scale name → value (``None``: the call's own logits, for a call whose scale is
+            unknown: then every name is measured from ``call.logits``).
+        budget_bytes: ``memory_budget``, the extra memory one call may use.
+        rows: ``None``, a budget ``N`` of sampled rows (drawn with ``generator`` by
+            :func:`~probe.stats.sampling.sample_rows` when ``N < L``) or sorted positions.
+        generator: the CPU generator for ``rows=N``.
+    """
+    batch, heads, length, _ = call.q.shape
+    keys = call.k.shape[2]
+    names, values = group_scales(scales)
+    positions = _positions(rows, length, generator)
+    common = dict(names=names, values=values, length=length, keys=keys, positions=positions,
+                  acc=accumulation_dtype(call.q.device), budget_bytes=budget_bytes)
+    if (call.logits is not None and call.scale is None) or any(v is None for v in values):
+        step = max(1, min(chunk_rows(batch, heads, keys, budget_bytes), length))
+        return call, CallPlan("logits", names=(("actual",),), values=(None,), step=step,  # type: ignore[arg-type]
+                              **{k: v for k, v in common.items() if k not in ("names", "values")})
+    if batch * heads * length * keys > 0:
+        call = simplify(call, budget_bytes)  # a float mask as a boolean one, HF's causal + padding mask as causal
+    # Within the budget, also keep a chunk near the cache size (never below 16 rows), and never
+    # above the rows there are: buffers (the causal block mask is step × step) are sized from it.
+    step = max(1, min(chunk_rows(batch, heads, keys, budget_bytes), cache_chunk_rows(batch, heads, keys), length))
+    if not shiftable(call, values):
+        proven, bias_masks = proven_finite(call, values)
+        return call, CallPlan("general", step=step, proven=proven, bias_masks=bias_masks, **common)  # type: ignore[arg-type]
+    supported, valid, causal = key_validity(call) if inputs_finite(call) else (False, None, False)
+    if not supported:
+        return call, CallPlan("shifted", step=step, **common)  # type: ignore[arg-type]
+    blocked = blocked_keys(call, valid, step, None if positions is None else positions.shape[0], budget_bytes)
+    return call, CallPlan("key_blocks" if blocked else "centred", step=step, valid=valid, causal=causal,  # type: ignore[arg-type]
+                          **common)
+
+
+def _positions(rows: Union[None, int, Tensor], length: int, generator: Optional[torch.Generator]) -> Optional[Tensor]:
+    """Sorted CPU positions of the rows whose exponential metrics are computed (None: all)."""
+    if isinstance(rows, Tensor):
+        positions = rows.cpu()  # given by the caller; on the host to split it into chunks
+        return None if positions.shape[0] >= length else positions
+    if rows is None or rows >= length:
+        return None
+    return sample_rows(length, rows, generator)
+
+
+def chunk_picks(call: AttentionCall, plan: CallPlan) -> Tuple[Optional[List[int]], List[Optional[Tensor]]]:
+    """For the forward's chunks of ``plan.step`` query rows: the last query position of each
+    (causal calls, on the host; ``None``: do not trim, also on meta tensors) and each chunk's
+    sampled local rows (all ``None``: every row), on the call's device."""
+    length, step, device = plan.length, plan.step, call.q.device
+    starts = range(0, length, step)
+    last = [min(length, r0 + step) - 1 for r0 in starts] if call.causal and device.type != "meta" else None
+    if plan.positions is None:
+        return last, [None] * len(starts)
+    chunk_of = plan.positions // step
+    return last, [(plan.positions[chunk_of == c] - r0).to(device, non_blocking=True) for c, r0 in enumerate(starts)]
+
+
+def backward_step(call: AttentionCall, plan: CallPlan) -> int:
+    """Query rows per backward chunk: within the budget (sampled rows on the shifted paths: a
+    quarter of it, so that long rows go a few at a time and the process's extra memory, which
+    also holds code and the allocator's slack, stays within the budget), near the cache size,
+    never above the rows formed."""
+    batch, heads = call.q.shape[:2]
+    total = plan.length if plan.positions is None else plan.positions.shape[0]
+    share = plan.budget_bytes
+    if plan.positions is not None and plan.path in ("centred", "key_blocks", "shifted"):
+        share //= 4
+    per_row = max(1, batch * heads * plan.keys * 4 * _BACKWARD_BUFFERS)
+    return max(1, min(max(1, share // per_row), cache_chunk_rows(batch, heads, plan.keys), total))
+
+
+def blocked_keys(call: AttentionCall, valid: Optional[Tensor], step: int, picks: Optional[int],
+                 budget_bytes: int) -> bool:
+    """Whether the centred path runs over blocks of keys (:mod:`probe.stats.paths.key_blocks`):
+    when the chunked variant's centred copy of k and buffers (a chunk of ``step`` query rows
+    over every key; the exponentials' buffer of the same size, or with ``picks`` sampled rows
+    the two buffers of gathered rows) would take more than a quarter of ``budget_bytes``. They
+    grow with the number of keys, the blocks do not."""
+    batch, heads, _, dim = call.q.shape
+    kv, keys = call.k.shape[1], call.k.shape[2]
+    if valid is not None and valid.shape[1] > 1:
+        kv = heads  # a per-head mask: k per query head
+    copy = batch * kv * dim * (keys + 1) * 4
+    chunk = batch * heads * step * (keys + 1) * 4
+    exps = chunk if picks is None else 2 * min(SAMPLED_BYTES, picks * batch * heads * keys * 4)
+    return copy + chunk + exps > budget_bytes // 4
+
+
+def absmax(t: Tensor) -> float:
+    """``max|t|`` on the host (NaN if ``t`` has one), from its min and max: no ``|t|`` copy and
+    no copy of a transposed ``t`` (:func:`~probe.stats.chunks.minmax`)."""
+    low, high = (float(x) for x in minmax(t))
+    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
+
+
+def inputs_finite(call: AttentionCall) -> bool:
+    """Whether every logit ``q_i·k_j`` is certainly finite and at most :data:`LOGIT_BOUND` in
+    size, proven from ``max|q|·max|k|·d`` (``O(L·d)``, no pass over the logits). On CPUs only,
+    where reading the result costs no synchronization; elsewhere ``False``."""
+    q, k = call.q, call.k
+    if q.device.type != "cpu" or q.numel() == 0 or k.numel() == 0:
+        return False
+    return absmax(q) * absmax(k) * q.shape[-1] <= LOGIT_BOUND  # False for NaN
+
+
+def proven_finite(call: AttentionCall, values: Sequence[Optional[Scale]]) -> Tuple[bool, bool]:
+    """``(proven, bias_masks)``: whether every logit ``Z = σR + A`` (``c·tanh(σR/c) + A``) of the
+    call is certainly finite at every scale, from ``|R| ≤ max|q|·max|k|·d``, ``|σ|`` and the bias's
+    max (valid bias entries are above -100): then no non-finite count and no non-finite softmax
+    row can occur; and whether the bias may mask a key (its min is at or below
+    :data:`~probe.stats.chunks.MASK_BIAS`, or unknown). On CPUs only, where reading the bounds costs
+    no synchronization (``O(L·d)`` and one pass over the bias); elsewhere ``(False, True)`` and the
+    general path counts and masks (no host synchronization)."""
+    q, k, bias = call.q, call.k, call.bias
+    if q.device.type != "cpu" or k.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
+        return False, True
+    raw = absmax(q) * absmax(k) * q.shape[-1]  # no |q|, |k| copies
+    sigma = 0.0
+    for v in values:
+        s = float(v.abs().amax()) if isinstance(v, Tensor) else abs(float(v))  # type: ignore[arg-type]
+        if not s <= 2.0**100:  # NaN or huge (max() would drop a NaN)
+            return False, True
+        sigma = max(sigma, s)
+    bound = raw * sigma  # |σR|, finite under tanh too
+    top = abs(float(call.softcap)) if call.softcap is not None else bound
+    masks = True
+    if bias is not None:
+        low, high = (float(x) for x in minmax(bias))
+        if not high <= 2.0**100:  # NaN (max() would drop it) or huge
+            return False, True
+        masks = not low > MASK_BIAS
+        top += max(-MASK_BIAS, high)
+    return raw <= 2.0**100 and bound <= 2.0**100 and top <= 2.0**100, masks  # False for NaN
