@@ -22,6 +22,7 @@ from probe.capture.grads import BackwardHooks
 from probe.session.grad_ledger import GradLedger
 from probe.session.recompute import Recompute
 from probe.stats.backward import grad_logits_stats, head_sq
+from probe.stats.plan import CallPlan
 
 __all__ = ["AddFields", "GradHooks", "grad_scales"]
 
@@ -92,12 +93,13 @@ class GradHooks:
         return self.hooks.step
 
     def register(self, call: AttentionCall, key: Hashable, step: int, scales: Mapping[str, Optional[Scale]],
-                 budget_bytes: int, rows: Optional[Tensor] = None) -> int:
-        """Hook one call; ``rows``: the sampled query positions its forward statistics used
-        (``None``: every row), for the ``grad_logits`` estimate (:func:`grad_logits_stats`)."""
+                 budget_bytes: int, stats_plan: Optional[CallPlan] = None) -> int:
+        """Hook one call; ``stats_plan``: its forward statistics' plan (path, scale groups, sampled
+        query rows; :func:`probe.stats.plan.plan_call`), which ``grad_logits`` follows
+        (:func:`grad_logits_stats`; ``None``: planned in the backward, every row)."""
         self._budget = budget_bytes
         measured = grad_scales(call, scales)
-        count = self.hooks.register(call, key, step, (measured, budget_bytes, rows))
+        count = self.hooks.register(call, key, step, (measured, budget_bytes, stats_plan))
         plan = dict(self.hooks.last_plan)
         if plan and plan.get("logits", "") is None and not measured:
             plan["logits"] = UNVERIFIED if not scales else "its logits cannot be rebuilt (scale unknown)"
@@ -155,14 +157,14 @@ class GradHooks:
 
     def _on_logits(self, record: AttentionCall, key: Hashable, step: int, payload: Any, grad: Tensor,
                    from_probs: bool) -> None:
-        scales, budget, rows = payload
+        scales, budget, stats_plan = payload
         if not scales:
             return
         self.ledger.reached(key, step, "logits")
         if from_probs:
-            fields = grad_logits_stats(record, None, scales, budget, grad_probs=grad, rows=rows)
+            fields = grad_logits_stats(record, None, scales, budget, grad_probs=grad, plan=stats_plan)
         else:
-            fields = grad_logits_stats(record, grad, scales, budget, rows=rows)
+            fields = grad_logits_stats(record, grad, scales, budget, plan=stats_plan)
         if fields:
             self._add(key, step, fields)
             self.ledger.arrived(key, step, ["logits"])

@@ -29,9 +29,10 @@ from probe.session.options import ExtraScale, scale_value
 from probe.session.verify import Verifier, warn_once_per_site
 from probe.state.accumulator import GRAD_STEPS, Accumulator, State
 from probe.state.writer import Window, to_host
-from probe.stats.forward import forward_stats
+from probe.stats.forward import forward_fields
 from probe.stats.masks import simplify
 from probe.stats.max_logit import max_logit
+from probe.stats.plan import CallPlan, plan_call
 from probe.stats.sampling import sample_rows
 
 __all__ = ["GradHooks", "Recorder", "SiteInfo", "SiteKey", "grad_scales"]
@@ -198,7 +199,7 @@ class Recorder:
         rows = None if self.rows is None or length <= self.rows else self._sample(call.site, length)
         key = (name, index)
         try:
-            call, scales, fields = self._forward_fields(call, key, scales, rows)
+            call, scales, fields, stats_plan = self._forward_fields(call, key, scales, rows)
         except Exception as err:  # noqa: BLE001 - a record probe cannot measure is named, never fatal
             self._warn_failed(call.site, f"probe: the attention at site {call.site!r} is NOT measured: its "
                               f"statistics failed ({type(err).__name__}: {err}); please report the model "
@@ -215,7 +216,7 @@ class Recorder:
             top = fields.get("logit_max@actual") if call.scale is not None and scales else None
             self.on_logit_max(key, call, None if self.verifier.unverified(key) else top)
         if self.grads and torch.is_grad_enabled():
-            self.grad_hooks.register(call, key, self.step, scales, self.memory_budget, rows)
+            self.grad_hooks.register(call, key, self.step, scales, self.memory_budget, stats_plan)
         elif self.grads and self.grad_hooks.root_grad:  # no_grad inside a training forward: reentrant checkpoint
             root = self._model()
             module = None if root is None else root.get_submodule(name) if name != "root" else root
@@ -251,23 +252,24 @@ class Recorder:
             self.grad_hooks.watch_backward(output, step)  # whether a backward ran: missing gradients named after it
 
     def _forward_fields(self, call: AttentionCall, key: SiteKey, scales: Dict[str, Scale], rows: Optional[Tensor]
-                        ) -> Tuple[AttentionCall, Dict[str, Scale], State]:
-        """(record, scales, forward fields) of one call: from its own logits (scale unknown), from
-        the record once it is checked against the model, or from the model's own probabilities
-        when it does not match (no scale then: no counterfactual, no grad_logits)."""
+                        ) -> Tuple[AttentionCall, Dict[str, Scale], State, CallPlan]:
+        """(record, scales, forward fields, plan) of one call: from its own logits (scale
+        unknown), from the record once it is checked against the model, or from the model's own
+        probabilities when it does not match (no scale then: no counterfactual, no grad_logits).
+        The plan (probe.stats.plan: path, scale groups, sampled rows) is made once and carried to
+        the call's backward."""
         with torch.no_grad():
-            if call.logits is not None:  # an eager softmax whose scale is unknown: `actual` only
-                return call, scales, self._unknown_scale_stats(call)
-            if call.scale_unknown is not None:
-                self._warn_unknown(call)
-            # a float mask as a boolean one, HF's (B, 1, L, S) mask as causal + key padding:
-            # the statistics take their fast paths, and the backward's record holds the small
-            # key mask instead of the model's L × S one (probe.stats.masks)
-            call = simplify(call, self.memory_budget)
+            if call.logits is not None or call.scale_unknown is not None:
+                self._warn_unknown(call)  # `actual` only (an eager softmax input when its scale is unknown)
+            # the mask simplified in the plan (a float mask as a boolean one, HF's (B, 1, L, S)
+            # mask as causal + key padding): the statistics take their fast paths, and the
+            # backward's record holds the small key mask instead of the model's L × S one
+            call, stats_plan = plan_call(call, scales, self.memory_budget, rows)
             # the record checked against what the model computed (probe.session.verify)
-            if self.verifier.verify(key, call, self.step) is not None and self.verifier.unverified(key):
-                return call, {}, self.verifier.fallback_fields(call, self.saturation)
-            return call, scales, forward_stats(call, scales, self.saturation, self.memory_budget, rows=rows)
+            if (call.logits is None and self.verifier.verify(key, call, self.step) is not None
+                    and self.verifier.unverified(key)):
+                return call, {}, self.verifier.fallback_fields(call, self.saturation), stats_plan
+            return call, scales, forward_fields(call, stats_plan, self.saturation), stats_plan
 
     def _sample(self, site: str, length: int) -> Tensor:
         """The stratified query positions of one call (probe.stats.sampling), seeded by the site,
@@ -311,14 +313,6 @@ class Recorder:
             call.site, f"probe: the attention scale at site {call.site!r} could not be recovered from its "
             f"ops{why}; it is reported at `actual` only{source} (info scale = None)",
         )
-
-    def _unknown_scale_stats(self, call: AttentionCall) -> State:
-        """Metrics at `actual` from an eager call's softmax input; warns once per site."""
-        from probe.stats.forward import logits_stats
-
-        self._warn_unknown(call)
-        logits = call.logits
-        return {} if logits is None else logits_stats(logits, self.saturation, self.memory_budget)
 
     def _add_grads(self, key: Hashable, step: int, fields: State) -> None:
         """Fold backward fields (called from the hooks, inside backward) into the step's state."""
