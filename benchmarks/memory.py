@@ -20,6 +20,8 @@ Usage::
 
     python benchmarks/memory.py                  # L = 1k, 2k, 4k, 8k
     python benchmarks/memory.py --lengths 1024 4096
+    benchmarks/before.sh COMMIT DIR && PYTHONPATH=$PWD:DIR python benchmarks/memory.py --before probe_before
+                                                 # another version's extra peak beside this one's
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ HEADS, DIM = 8, 64
 
 
 def _child(arm: str, length: int, backward: bool, budget: int, layout: str = "sdpa") -> None:
+    import importlib
+
     import torch
     import torch.nn.functional as F
 
-    import probe
+    probe = importlib.import_module(arm.split(":", 1)[1] if arm.startswith("before:") else "probe")
 
     torch.manual_seed(0)
 
@@ -54,7 +58,7 @@ def _child(arm: str, length: int, backward: bool, budget: int, layout: str = "sd
     else:
         shape = (1, HEADS, length, DIM)
         q, k, v = (torch.randn(shape, requires_grad=backward) for _ in range(3))
-    p = probe.watch(model, grads=backward, memory_budget=budget) if arm == "probe" else None
+    p = probe.watch(model, grads=backward, memory_budget=budget) if arm != "bare" else None
     for _ in range(2):
         out = model(q, k, v)
         if backward:
@@ -80,6 +84,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--layout", choices=["sdpa", "hf"], default="sdpa",
                         help="hf: transposed (1, L, H, d) views, 2 kv heads (grouped-query attention)")
+    parser.add_argument("--before", default=None, help="module name of another probe version to measure beside this one")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -89,18 +94,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     kv = ", 2 kv heads, Hugging Face layout" if args.layout == "hf" else ""
     print(f"extra peak RSS of probe, (1, {HEADS}, L, {DIM}) causal float32{kv}, memory_budget "
           f"{args.budget / 2**20:.0f} MiB, one process per cell")
-    print(f"{'L':>6}{'pass':>9}{'bare MiB':>11}{'probe MiB':>11}{'extra MiB':>11}{'full logits MiB':>17}")
+    before = f"before:{args.before}" if args.before else None
+    extra_before = f"{'before extra':>14}" if before else ""
+    print(f"{'L':>6}{'pass':>9}{'bare MiB':>11}{'probe MiB':>11}{'extra MiB':>11}{extra_before}{'full logits MiB':>17}")
     rows: List[Dict[str, float]] = []
     for length in args.lengths:
         for backward in (False, True):
             bare = measure("bare", length, backward, args.budget, args.layout)
             probed = measure("probe", length, backward, args.budget, args.layout)
+            old = measure(before, length, backward, args.budget, args.layout) if before else None
             full = HEADS * length * length * 4 / 2**20
             name = "fwd+bwd" if backward else "fwd"
-            print(f"{length:>6}{name:>9}{bare:>11.1f}{probed:>11.1f}{probed - bare:>11.1f}{full:>17.0f}")
+            col = f"{old - bare:>14.1f}" if old is not None else ""
+            print(f"{length:>6}{name:>9}{bare:>11.1f}{probed:>11.1f}{probed - bare:>11.1f}{col}{full:>17.0f}")
             sys.stdout.flush()
             rows.append({"L": length, "pass": name, "bare_mib": bare, "probe_mib": probed,
-                         "extra_mib": probed - bare, "full_logits_mib": full})
+                         "extra_mib": probed - bare, "full_logits_mib": full,
+                         **({"before_extra_mib": old - bare} if old is not None else {})})
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)
