@@ -168,7 +168,7 @@ def grad_logits_stats(
     if plan.path == "logits" and call.logits is None:
         return {}  # the call's own logits were asked for but it has none
     per_row = PATH_MODULES[BACKWARD_PATH[plan.path]].grad_rows(call, plan, dp)
-    sums, variances = grad_totals(per_row, plan.positions, length, plan.acc)
+    sums, variances = grad_totals(per_row, plan.acc, plan.design)
     unscale = gs.to(plan.acc).square()
     out: Dict[str, Tensor] = {}
     for i, names in enumerate(plan.names):

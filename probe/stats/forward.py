@@ -101,7 +101,8 @@ def forward_fields(call: AttentionCall, plan: CallPlan, saturation: float = 0.99
     if _empty(call):
         return {}
     rows: Rows = PATH_MODULES[plan.path].forward_rows(call, plan)
-    heads = reduce_rows(rows, plan.length, saturation, plan.acc)
+    # the logits path's forward takes every row (no design: its totals are sums)
+    heads = reduce_rows(rows, saturation, plan.acc, None if plan.path == "logits" else plan.design)
     return _fields(heads, plan, call.q.shape[1])
 
 

@@ -36,7 +36,7 @@ from torch import Tensor
 from probe.call import AttentionCall, Scale
 from probe.stats.chunks import MASK_BIAS, accumulation_dtype, cache_chunk_rows, chunk_rows, minmax
 from probe.stats.masks import key_validity, simplify
-from probe.stats.sampling import sample_rows
+from probe.stats.sampling import Design, row_design, sample_rows
 
 __all__ = ["LOGIT_BOUND", "PATHS", "SAMPLED_BYTES", "CallPlan", "absmax", "backward_step", "blocked_keys",
            "chunk_picks", "group_scales", "inputs_finite", "plan_call", "proven_finite", "shiftable"]
@@ -67,6 +67,8 @@ class CallPlan:
         length, keys: query rows ``L`` and keys ``S``.
         positions: sorted CPU positions of the rows whose exponential metrics and ``grad_logits``
             are computed (``None``: every row). The ``logits`` path's forward uses every row.
+        design: their stratified design (:func:`~probe.stats.sampling.row_design`: weights,
+            strata), for the estimates forward and backward; ``None`` with every row.
         step: query rows per forward chunk.
         acc: the accumulation dtype.
         budget_bytes: ``memory_budget``.
@@ -87,6 +89,7 @@ class CallPlan:
     causal: bool = False
     proven: bool = False
     bias_masks: bool = True
+    design: Optional[Design] = None
 
     @property
     def floats(self) -> List[float]:
@@ -136,7 +139,8 @@ def plan_call(call: AttentionCall, scales: Mapping[str, Optional[Scale]], budget
     names, values = group_scales(scales)
     positions = _positions(rows, length, generator)
     common = dict(names=names, values=values, length=length, keys=keys, positions=positions,
-                  acc=accumulation_dtype(call.q.device), budget_bytes=budget_bytes)
+                  acc=accumulation_dtype(call.q.device), budget_bytes=budget_bytes,
+                  design=None if positions is None else row_design(positions, length))
     if (call.logits is not None and call.scale is None) or any(v is None for v in values):
         step = max(1, min(chunk_rows(batch, heads, keys, budget_bytes), length))
         return call, CallPlan("logits", names=(("actual",),), values=(None,), step=step,  # type: ignore[arg-type]

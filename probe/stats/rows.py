@@ -51,7 +51,6 @@ class Rows:
         entropy: normalized entropy ``H(P)/log n`` per distinct scale, ``(G, B, H, N)``, 0 on rows
             with fewer than two valid keys.
         max_prob: ``max P`` likewise (0 on those rows).
-        positions: sorted CPU positions of the exponential rows when sampled (``None``: every row).
     """
 
     n: Tensor
@@ -63,7 +62,6 @@ class Rows:
     soft_n: Tensor
     entropy: Tensor
     max_prob: Tensor
-    positions: Optional[Tensor] = None
 
 
 def scale_view(scale: Scale, heads: int, like: Tensor, factor: float = 1.0) -> Scale:

@@ -17,13 +17,17 @@ forward and the backward both rebuild the weights from them (:func:`row_design`)
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["row_design", "sample_rows", "strata_sizes", "stratified_variance"]
+__all__ = ["Design", "row_design", "sample_rows", "strata_sizes", "stratified_variance"]
+
+#: ``(weight, stratum, L_h, n_h)`` of sampled positions (:func:`row_design`).
+Design = Tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 #: The first ``N // 4`` positions are always computed (a stratum drawn whole: weight 1, no
@@ -35,9 +39,11 @@ __all__ = ["row_design", "sample_rows", "strata_sizes", "stratified_variance"]
 _HEAD_FRACTION = 4
 
 
+@functools.lru_cache(maxsize=64)
 def strata_sizes(length: int, rows: int) -> Tuple[Tensor, Tensor]:
     """``(L_h, n_h)`` of the design for ``rows < length`` sampled of ``length``, int64 on the CPU:
-    first the head ``N // 4`` positions drawn whole, then ``(N − head) // 2`` strata of the rest."""
+    first the head ``N // 4`` positions drawn whole, then ``(N − head) // 2`` strata of the rest.
+    Cached (every call of a model has the same few ``(L, N)``): callers must not change them."""
     head = rows // _HEAD_FRACTION
     rest = rows - head
     strata = max(1, rest // 2)
@@ -81,7 +87,7 @@ def sample_rows(length: int, rows: int, generator: Optional[torch.Generator] = N
     return idx.to(device, non_blocking=True) if device is not None else idx
 
 
-def row_design(positions: Union[Tensor, int], length: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def row_design(positions: Union[Tensor, int], length: int) -> Design:
     """``(weight, stratum, L_h, n_h)`` of sorted ``positions`` drawn by :func:`sample_rows`:
     per position its weight ``L_h/n_h`` (float64) and stratum index; per stratum its size and
     draw count. All on the CPU (``positions`` are host positions). An int ``N`` stands for

@@ -318,11 +318,11 @@ def exact_rows(prep: CentredPrep, csum: Tensor, sumsq: Tensor, cmax: Tensor) -> 
     return [n, r, mean, m2, zero], cmax
 
 
-def to_rows(exact: List[Tensor], soft: List[Tensor], scales: Sequence[float], positions: Optional[Tensor]) -> Rows:
+def to_rows(exact: List[Tensor], soft: List[Tensor], scales: Sequence[float]) -> Rows:
     """:class:`Rows` from :func:`centred_rows`' (or the key blocks') per-row sums."""
     n, r, mean, m2, zero = exact
     entropy, max_prob = softmax_rows(soft[0], soft[2:], scales)
-    return Rows(n, r, mean, m2, nonfinite_rows(zero, n, r, scales[0]), None, soft[0], entropy, max_prob, positions)
+    return Rows(n, r, mean, m2, nonfinite_rows(zero, n, r, scales[0]), None, soft[0], entropy, max_prob)
 
 
 def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
@@ -330,4 +330,4 @@ def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
     also when its mask held the causal pattern: ``plan.causal``)."""
     call = dataclasses.replace(call, causal=plan.causal)
     exact, soft = centred_rows(call, plan.valid, plan.floats, plan.step, chunk_picks(call, plan)[1])
-    return to_rows(exact, soft, plan.floats, plan.positions)
+    return to_rows(exact, soft, plan.floats)

@@ -249,7 +249,7 @@ def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
     n, r, sum_d, sum_d2, bad = exact_all[:5].unbind(0)
     mean, m2 = moment_rows(n, r, sum_d, sum_d2, plan.acc)
     low = exact_all[5] if need_min else None
-    return Rows(n, r, mean, m2, bad, low, soft_all[0], soft_all[1::2], soft_all[2::2], plan.positions)
+    return Rows(n, r, mean, m2, bad, low, soft_all[0], soft_all[1::2], soft_all[2::2])
 
 
 def grad_chunk(X: Tensor, valid: Optional[Tensor], neg: Optional[Tensor], bias: Optional[Tensor], dP: Tensor,

@@ -143,4 +143,4 @@ def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
     held the causal pattern: ``plan.causal``)."""
     call = dataclasses.replace(call, causal=plan.causal)
     exact, soft = blocked_rows(call, plan.valid, plan.floats, plan.positions, plan.budget_bytes)
-    return to_rows(exact, soft, plan.floats, plan.positions)
+    return to_rows(exact, soft, plan.floats)

@@ -123,8 +123,7 @@ def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
     n, r, sum_d, sum_d2, bad = exact_all.unbind(0)
     mean, m2 = moment_rows(n, r, sum_d, sum_d2, plan.acc)
     entropy, max_prob = softmax_rows(soft_n, list(soft_all.unbind(0)), floats)
-    return Rows(n, r, mean, m2, nonfinite_rows(bad, n, r, floats[0]), None, soft_n, entropy, max_prob,
-                plan.positions)
+    return Rows(n, r, mean, m2, nonfinite_rows(bad, n, r, floats[0]), None, soft_n, entropy, max_prob)
 
 
 def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource) -> Tensor:
