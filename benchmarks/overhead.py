@@ -23,6 +23,11 @@ Llama, SDPA, 4 layers, hidden 256, 8 heads / 2 kv heads, batch 1, seq 1024, caus
 - ``before:...`` (``--before MODULE``): the same arms with another version of probe imported
   under another name (``benchmarks/before.sh`` makes one from a git commit), side by side.
 
+Beside every arm: its ``floor``, the physical floor of probing this workload's step (``Floor``:
+``1 +`` the FLOPs of the products probe cannot avoid, one ``q·kᵀ`` over every row forward and
+``q·kᵀ``, ``dO·vᵀ`` over the sampled rows backward, over the bare step's FLOPs), and ``to
+floor``, the arm's ratio minus it: what probe costs above the arithmetic it must do.
+
 Every round ends by waiting for the arm's background writer, and that wait is timed: what the
 writer could not finish during the step is charged to the arm, and no arm's writing spills into
 another's timing. The arms rotate who goes first each round. Prints medians and ratios to
@@ -41,6 +46,7 @@ Usage::
     python benchmarks/overhead.py                      # both workloads, 20 rounds
     python benchmarks/overhead.py --quick              # 7 rounds
     python benchmarks/overhead.py --workload bert --seq 128 512 --plain
+    python benchmarks/overhead.py --floor              # only the floors (no timing)
     benchmarks/before.sh 7fc42e4 /tmp/before && \
       PYTHONPATH=$PWD:/tmp/before python benchmarks/overhead.py --before probe_before
 """
@@ -163,6 +169,99 @@ class PlainMode(TorchFunctionMode):
         return out
 
 
+# -- the physical floor -------------------------------------------------------------------------
+class _Shapes(TorchFunctionMode):
+    """Records the shapes of every SDPA call of a step (q, k, v and whether it is causal)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: List[Dict[str, Any]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+            bound = dict(zip(names, args), **kwargs)
+            q, k, v = bound["query"], bound["key"], bound["value"]
+            self.calls.append({"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape),
+                               "causal": bool(bound.get("is_causal")), "grad": q.requires_grad})
+        return func(*args, **kwargs)
+
+
+def _keys_seen(length: int, keys: int, causal: bool, positions: Optional[List[int]] = None) -> int:
+    """Keys a set of query rows is multiplied with: every key, or under causal masking (trimmed at
+    the diagonal, as probe's chunks are) keys ``0 .. i`` for row ``i``."""
+    rows = range(length) if positions is None else positions
+    return sum(min(i + 1, keys) for i in rows) if causal else len(rows) * keys
+
+
+class Floor:
+    """The physical floor of probing a workload's step: the FLOPs of the products probe cannot
+    avoid, over the bare step's FLOPs (``1 + extra / bare``).
+
+    Bare: every FLOP ``torch.utils.flop_counter.FlopCounterMode`` counts in one forward + backward,
+    plus SDPA's own products, which it does not count on CPUs (``sdpa_flop_count`` and
+    ``sdpa_backward_flop_count`` of each call's shapes, causal calls at the trimmed share of keys).
+    Extra, per probed call: one ``q·kᵀ`` over every row (the exact logit moments and max need
+    every logit), and in the backward one ``q·kᵀ`` and one ``dO·vᵀ`` over the rows
+    ``grad_logits`` is computed on (``rows=N``: the stratified sample, one draw; ``None``: every
+    row), causal products trimmed at the diagonal; an arm probing one step in ``every`` pays a
+    ``1/every`` share. Everything else probe does (exponentials, reductions, Python) is above the
+    floor.
+    """
+
+    def __init__(self, workload: str, seq: int, batch: int) -> None:
+        from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+        w = build(workload, seq, batch)
+        shapes = _Shapes()
+        with FlopCounterMode(display=False) as counter, shapes:
+            w.step(w.model)
+        self.calls = shapes.calls
+        attention = 0
+        for c in self.calls:
+            q, k, v = c["q"], c["k"], c["v"]
+            k_full, v_full = (q[0], q[1], k[2], k[3]), (q[0], q[1], v[2], v[3])  # kv heads repeated
+            share = _keys_seen(q[2], k[2], c["causal"]) / (q[2] * k[2])
+            flops = sdpa_flop_count(q, k_full, v_full)
+            if c["grad"]:
+                flops += sdpa_backward_flop_count((*q[:3], v[3]), q, k_full, v_full)
+            attention += flops * share
+        self.bare = counter.get_total_flops() + attention
+
+    def extra(self, rows: Optional[int], every: int = 1) -> float:
+        """FLOPs of the unavoidable products per step for an arm (``rows``: its ``rows=`` budget)."""
+        from probe.stats.sampling import sample_rows
+
+        total = 0
+        for c in self.calls:
+            (batch, heads, length, dim), keys, dv = c["q"], c["k"][2], c["v"][3]
+            total += 2 * batch * heads * dim * _keys_seen(length, keys, c["causal"])  # forward q·kᵀ
+            if c["grad"]:
+                positions = None if rows is None or rows >= length else sample_rows(
+                    length, rows, torch.Generator().manual_seed(0)).tolist()
+                total += 2 * batch * heads * (dim + dv) * _keys_seen(length, keys, c["causal"], positions)
+        return total / every
+
+    def ratio(self, rows: Optional[int], every: int = 1) -> float:
+        return 1.0 + self.extra(rows, every) / self.bare
+
+
+#: The floor's (rows, every) of each arm (``None``: no floor: the plain arm computes other things).
+def _floor_args(name: str) -> Optional[tuple]:
+    name = name.split(":", 1)[-1]
+    if name == "bare" or name == "unsampled":
+        return (None, 0)
+    if name.startswith("every=1,rows="):
+        value = name.split("=", 2)[2]
+        return (None if value == "None" else int(value), 1)
+    if name.startswith("every=10"):
+        return (128, 10)
+    if name.startswith("every=1"):
+        return (128, 1)
+    return None
+
+
 # -- arms ---------------------------------------------------------------------------------------
 #: What a round is timed with: wall time (default) or, with ``--clock cpu``, the CPU time of the
 #: whole process (every thread, the background writer's included), which other jobs on a shared
@@ -274,6 +373,11 @@ def run_workload(workload: str, seq: int, batch: int, rounds: int, warmup: int, 
                         if close_steps and before else None)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     bare = med["bare"]
+    floor = Floor(workload, seq, batch)
+    floors: Dict[str, Optional[float]] = {}
+    for name in times:
+        args = _floor_args(name)
+        floors[name] = None if args is None else (1.0 if args[1] == 0 else floor.ratio(*args))
     result: Dict[str, Any] = {
         "workload": workload, "description": arms.description, "rounds": rounds,
         "threads": torch.get_num_threads(), "clock": "cpu" if CLOCK[0] is time.process_time else "wall",
@@ -283,6 +387,7 @@ def run_workload(workload: str, seq: int, batch: int, rounds: int, warmup: int, 
         # of the machine slows every arm of its round, and cancels here
         "paired": {n: statistics.median(t / b for t, b in zip(ts, times["bare"])) for n, ts in times.items()},
         "close_s": close_s, "close_steps": close_steps, "close_before_s": close_before,
+        "floor": floors, "bare_gflop": floor.bare / 1e9,
     }
     if plain:
         assert arms.plain.values, "the plain arm captured nothing"
@@ -294,9 +399,13 @@ def run_workload(workload: str, seq: int, batch: int, rounds: int, warmup: int, 
 def print_result(res: Dict[str, Any]) -> None:
     print(f"\n{res['description']}\nforward + backward, {res['rounds']} interleaved rounds, "
           f"torch threads {res['threads']}, {res['clock']} time")
-    print(f"{'arm':<22}{'median ms':>12}{'x bare':>10}{'paired':>10}")
+    print(f"bare step {res['bare_gflop']:.2f} GFLOP; floor = 1 + the FLOPs of the products probe cannot avoid "
+          "over the bare step's (see Floor); to floor = x bare - floor")
+    print(f"{'arm':<22}{'median ms':>12}{'x bare':>10}{'paired':>10}{'floor':>9}{'to floor':>10}")
     for name, ms in res["median_ms"].items():
-        print(f"{name:<22}{ms:>12.1f}{res['ratio'][name]:>10.3f}{res['paired'][name]:>10.3f}")
+        fl = res["floor"].get(name)
+        tail = f"{fl:>9.3f}{res['ratio'][name] - fl:>+10.3f}" if fl is not None else f"{'-':>9}{'-':>10}"
+        print(f"{name:<22}{ms:>12.1f}{res['ratio'][name]:>10.3f}{res['paired'][name]:>10.3f}{tail}")
     if "overhead_vs_plain" in res:
         print(f"probe overhead / plain overhead (every=1): {res['overhead_vs_plain']:.3f}")
     if res["close_s"] is not None:
@@ -325,8 +434,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="torch threads (1 is steadier on a machine shared with other jobs)")
     parser.add_argument("--only", nargs="+", default=[],
                         help="run only these probe arms (and bare), e.g. --only every=1 (each version's)")
+    parser.add_argument("--floor", action="store_true",
+                        help="only print each workload's floor (rows=128, rows=None; every=1, every=10) and exit")
     args = parser.parse_args(argv)
     ONLY[:] = args.only
+    if args.floor:
+        for workload in args.workload:
+            for seq in args.seq:
+                f = Floor(workload, seq, args.batch)
+                print(f"{workload} (seq {seq or 'default'}): bare {f.bare / 1e9:.2f} GFLOP; floor every=1 rows=128 "
+                      f"{f.ratio(128):.3f}, rows=None {f.ratio(None):.3f}; every=10 rows=128 {f.ratio(128, 10):.4f}")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu":
