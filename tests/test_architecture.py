@@ -68,7 +68,9 @@ PENDING_PRIVATE: Set[str] = {
     "probe.capture.provenance -> probe.capture.provenance_rules._Use",
     "probe.capture.provenance -> probe.capture.provenance_rules._name",
     "probe.capture.provenance -> probe.capture.provenance_rules._storage_key",
+    "probe.capture.provenance -> probe.capture.provenance_rules._through",
     "probe.ci.thresholds -> probe.ci.expressions._OPS",
+    "probe.cli.main -> probe.session.coverage._cmd_coverage",
     "probe.experiment.compare -> probe.experiment.scaling._parse_spec",
 }
 
