@@ -164,12 +164,11 @@ class EagerFrontEnd(FrontEnd):
             self._run(pre, op)
         out = func(*args, **kwargs)
         op.out = out
-        changed = [(t, r) for t, v, r in seen if _version(t) != v]  # in place: the rule judges it
+        changed = [(t, self._table.get(id(t))) for t, v, r in seen if _version(t) != v]  # in place: the rule judges it
         self._run(find(kind, subject), op)
-        for t, r in changed:  # a record the rule left as it was describes t before the change
-            entry = self._table.get(id(t))
-            if entry is not None and entry[1] is r:
-                self.set(t, self._stale(r, f"`{op.name}` in place"))
+        for t, entry in changed:  # a record no rule set again describes t before the change
+            if entry is not None and self._table.get(id(t)) is entry:
+                self.set(t, self._stale(entry[1], f"`{op.name}` in place"))
         return out
 
     def _run(self, fn: Callable[..., None], op: Op) -> None:

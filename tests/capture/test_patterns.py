@@ -977,3 +977,18 @@ def test_means_of_a_scaled_operand_keep_its_factor() -> None:
     net, s, warned = run(core_landmarks)
     check(net, s, S0)
     assert not warned, warned
+
+
+def core_renormalised_in_place(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    # timm ConViT: a gated mix with positional attention, renormalised in place
+    p = keep(m, (q @ k.transpose(-1, -2) * S0).softmax(-1))
+    pos = torch.linspace(0, 1, L * L).view(1, 1, L, L).expand(B, H, L, L).softmax(-1)
+    attn = 0.7 * p + 0.3 * pos
+    attn /= attn.sum(dim=-1).unsqueeze(-1)
+    return attn @ v
+
+
+def test_probabilities_renormalised_in_place_still_meet_v() -> None:
+    net, s, warned = run(core_renormalised_in_place)
+    check(net, s, S0)
+    assert not warned, warned
