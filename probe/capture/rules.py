@@ -29,7 +29,7 @@ from torch import Tensor
 from probe.capture.ops import name_of
 from probe.capture.records import Derived, Exp, ExpSum, LogProbs, Moved, Operand, Probs, Scores, Shift, Slice
 
-__all__ = ["BEFORE", "Op", "RULES", "before", "default", "find", "rule"]
+__all__ = ["BEFORE", "Op", "RULES", "before", "default", "find", "rule", "rule_table"]
 
 
 @dataclasses.dataclass
@@ -167,9 +167,30 @@ def default(tracer: Any, op: Op) -> None:
         # Probs and anything else: no record (a softmax that never meets v is warned at its end)
 
 
+def rule_table() -> str:
+    """The rule table as markdown, one row per record kind: the op kinds with a rule of their own
+    (and the rule's name); every other op kind meets :func:`default` (docs/architecture.md shows
+    this table; ``python -m probe.capture.rules`` prints it)."""
+    from probe.capture import eager  # noqa: F401 - the rules register when the tracer is imported
+    from probe.capture.records import PRIORITY
+
+    lines = ["| record kind | op kind → rule (any other op kind: `default`) |", "| --- | --- |"]
+    for kind in (type(None), *reversed(PRIORITY)):
+        found = sorted((op, fn.__name__) for (op, rec), fn in RULES.items() if rec is kind)
+        name = "no record (rules that start one)" if kind is type(None) else f"`{kind.__name__}`"
+        lines.append(f"| {name} | " + ", ".join(f"{op} → `{fn}`" for op, fn in found) + " |")
+    return "\n".join(lines)
+
+
 def _which(record: Operand) -> str:
     return "q or k"
 
 
 def is_probs(record: Any) -> bool:
     return isinstance(record, Probs) or (isinstance(record, Moved) and isinstance(record.of, Probs))
+
+
+if __name__ == "__main__":
+    from probe.capture.rules import rule_table as _table  # the registered module, not this __main__ copy
+
+    print(_table())

@@ -459,3 +459,15 @@ def test_a_record_whose_scale_is_unknown_is_measured_at_actual_only(monkeypatch)
         np.testing.assert_allclose(s.value("root", metric), ref[metric], rtol=1e-5, atol=1e-7)
     with pytest.raises(probe.ProbeError):
         s.value("root", "entropy", "unscaled")
+
+
+def test_the_rule_table_in_the_docs_is_current():
+    """docs/architecture.md shows the eager tracer's rule table as ``probe.capture.rules.rule_table``
+    renders it (regenerate with ``python -m probe.capture.rules``)."""
+    from pathlib import Path
+
+    from probe.capture.rules import rule_table
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    shown = text.split("<!-- rule table: start -->\n", 1)[1].split("\n<!-- rule table: end -->", 1)[0]
+    assert shown == rule_table()
