@@ -300,3 +300,9 @@ class EagerFrontEnd(FrontEnd):
         if record is not None and record.base is not None:
             return record.base, record.factor, record.factor_t, record.how
         return None
+
+
+if __name__ == "__main__":  # python -m probe.capture.eager: the rule table (docs/architecture.md)
+    from probe.capture.rules import rule_table
+
+    print(rule_table())

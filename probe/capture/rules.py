@@ -169,9 +169,9 @@ def default(tracer: Any, op: Op) -> None:
 
 def rule_table() -> str:
     """The rule table as markdown, one row per record kind: the op kinds with a rule of their own
-    (and the rule's name); every other op kind meets :func:`default` (docs/architecture.md shows
-    this table; ``python -m probe.capture.rules`` prints it)."""
-    from probe.capture import eager  # noqa: F401 - the rules register when the tracer is imported
+    (and the rule's name); every other op kind meets :func:`default`. The rules register when
+    :mod:`probe.capture.eager` is imported (docs/architecture.md shows this table;
+    ``python -m probe.capture.eager`` prints it)."""
     from probe.capture.records import PRIORITY
 
     lines = ["| record kind | op kind → rule (any other op kind: `default`) |", "| --- | --- |"]
@@ -188,9 +188,3 @@ def _which(record: Operand) -> str:
 
 def is_probs(record: Any) -> bool:
     return isinstance(record, Probs) or (isinstance(record, Moved) and isinstance(record.of, Probs))
-
-
-if __name__ == "__main__":
-    from probe.capture.rules import rule_table as _table  # the registered module, not this __main__ copy
-
-    print(_table())

@@ -463,7 +463,7 @@ def test_a_record_whose_scale_is_unknown_is_measured_at_actual_only(monkeypatch)
 
 def test_the_rule_table_in_the_docs_is_current():
     """docs/architecture.md shows the eager tracer's rule table as ``probe.capture.rules.rule_table``
-    renders it (regenerate with ``python -m probe.capture.rules``)."""
+    renders it (regenerate with ``python -m probe.capture.eager``)."""
     from pathlib import Path
 
     from probe.capture.rules import rule_table
