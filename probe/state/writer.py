@@ -31,7 +31,7 @@ import os
 import threading
 import time
 import warnings
-from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Deque, Dict, Hashable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from probe.state.results import Results
 from probe.sinks.base import Sink, SinkGuard
@@ -223,7 +223,7 @@ class Writer:
         self.max_pending = int(max_pending)
         self.summary_path = summary_path
         self.meta: Dict[str, Any] = dict(meta or {})
-        self._warned: Set[str] = set()
+        self._warned: Set[Hashable] = set()
         self._warn_lock = threading.Lock()
         self.guard = SinkGuard(self.warn)
         self.results = results if results is not None else Results()
@@ -239,12 +239,13 @@ class Writer:
         self._closed = False
 
     # -- warnings ----------------------------------------------------------------------------
-    def warn(self, message: str) -> None:
-        """Warn once per distinct message (from any thread)."""
+    def warn(self, message: str, key: Optional[Hashable] = None) -> None:
+        """Warn once per distinct ``key`` (default: the message), from any thread."""
+        key = message if key is None else key
         with self._warn_lock:
-            if message in self._warned:
+            if key in self._warned:
                 return
-            self._warned.add(message)
+            self._warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     # -- totals ------------------------------------------------------------------------------
@@ -314,8 +315,10 @@ class Writer:
                     os.makedirs(directory, exist_ok=True)
                 summary.save(self.summary_path)
             except Exception as err:  # noqa: BLE001 - a failed write never breaks training or close()
+                # once per kind of failure: the message names a temporary file, new on every try
                 self.warn(f"probe: could not write {os.path.basename(self.summary_path)} into "
-                          f"{os.path.dirname(self.summary_path)!r}: {type(err).__name__}: {err}")
+                          f"{os.path.dirname(self.summary_path)!r}: {type(err).__name__}: {err}",
+                          key=("summary file", type(err).__name__))
                 return False
             self._saved_version = version
             return True

@@ -112,3 +112,26 @@ def test_a_read_only_logdir_is_one_warning_per_file_and_no_traceback(tmp_path):
     summary = [line for line in lines if "could not write probe_summary.json" in line]
     assert len(sink) == 1 and len(summary) == 1 and len(lines) == 2, lines
     assert not os.listdir(logdir)
+
+
+def test_a_summary_file_that_cannot_be_written_warns_once_however_often_it_is_tried(tmp_path, monkeypatch):
+    # Each try writes a new temporary file, so its name differs from try to try: the refresher's
+    # write and close()'s final one were two warnings (seen once in ten suite runs).
+    import warnings
+
+    from probe.state.writer import Writer
+    from probe.summary import Summary
+
+    def refuse(self, path):
+        raise PermissionError(13, "Permission denied", f"{path}.{os.urandom(4).hex()}.tmp")
+
+    monkeypatch.setattr(Summary, "save", refuse)
+    writer = Writer(summary_path=str(tmp_path / "probe_summary.json"))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert not writer.save(Summary({}), version=1)
+            assert not writer.save(Summary({}), final=True)
+    finally:
+        writer.close(timeout=5.0)
+    assert len([w for w in caught if "could not write probe_summary.json" in str(w.message)]) == 1
