@@ -34,6 +34,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 from probe.capture import rules_operand, rules_products, rules_scores, rules_softmax  # noqa: F401 - registration
@@ -60,6 +61,13 @@ def _version(t: Tensor) -> int:
         return t._version
     except RuntimeError:
         return -1
+
+
+def _splits_features(x: Tensor, args: Tuple[Any, ...]) -> bool:
+    """A view of ``(T, B, E)`` as ``(T, B·H, d)``, from the target shape alone."""
+    shape = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple, torch.Size)) else args[1:]
+    return (len(shape) == 3 and isinstance(shape[-1], int) and 0 < shape[-1] < x.shape[-1]
+            and x.shape[-1] % shape[-1] == 0)
 
 
 def _scalar(a: Any) -> bool:
@@ -105,9 +113,9 @@ class EagerFrontEnd(FrontEnd):
         kind = OPS.get(func, OTHER)
         if kind in (TRANSPOSE, PERMUTE):
             return _keeps_dim0(kind, args)
-        if kind == VIEW:  # only a fold of heads into the batch or a repeat_kv starts a record: from >= 4-D
-            x = args[0] if args else None
-            return not (isinstance(x, Tensor) and x.dim() >= 4)
+        if kind == VIEW:  # only a fold of heads into the batch or a repeat_kv starts a record: from >= 4-D,
+            x = args[0] if args else None  # or (T, B, H·d) viewed (T, B·H, d) (fairseq)
+            return not (isinstance(x, Tensor) and (x.dim() >= 4 or (x.dim() == 3 and _splits_features(x, args))))
         if kind in (MUL, DIV):  # only a scalar factor starts one (a product of two plain tensors does not)
             return not any(_scalar(a) for a in args[:2])
         return kind not in STARTS

@@ -179,6 +179,8 @@ def replay(tracer: Any, op: Op) -> None:
             if isinstance(b, Tensor) and tuple(b.shape) == tuple(o.shape):
                 if op.kind == K.VIEW and _folded(x, o, first) is not None:
                     tracer.fold_seen(_folded(x, o, first), o.shape[-3])
+                elif op.kind == K.VIEW and _split_fold(x, o) is not None:
+                    tracer.fold_seen(_split_fold(x, o), o.shape[1])
                 tracer.set(o, dataclasses.replace(first, base=b, kv=None, merged=_merged(op, x, o, first),
                                                   batch_at=_batch_at(op, x, o, first), ops=first.ops + (op.name,)))
             else:
@@ -191,6 +193,8 @@ def replay(tracer: Any, op: Op) -> None:
         merged, batch_at = _merged(op, x, o, first), _batch_at(op, x, o, first)
         if op.kind == K.VIEW and _folded(x, o, first) is not None:
             tracer.fold_seen(merged, o.shape[-3])
+        elif op.kind == K.VIEW and _split_fold(x, o) is not None:
+            tracer.fold_seen(_split_fold(x, o), o.shape[1])
         if kv is not None or merged is not None or batch_at is not None:
             tracer.set(o, Operand(kv=kv, merged=merged, batch_at=batch_at))
 
@@ -266,6 +270,17 @@ def _folded(x: Any, out: Any, record: Optional[Operand] = None) -> Optional[tupl
     return None
 
 
+def _split_fold(x: Any, out: Any) -> Optional[tuple]:
+    """``(B, H)`` when a sequence-first ``(T, B, H·d)`` is viewed ``(T, B·H, d)`` (fairseq, PyTorch's
+    own multi-head function): its rows ``B·H`` become the batch of a product after a transpose."""
+    if isinstance(x, Tensor) and isinstance(out, Tensor) and x.dim() == out.dim() == 3 \
+            and out.shape[0] == x.shape[0] and out.shape[-1] < x.shape[-1] and x.shape[-1] % out.shape[-1] == 0:
+        heads = x.shape[-1] // out.shape[-1]
+        if heads > 1 and out.shape[1] == x.shape[1] * heads:
+            return (x.shape[1], heads)
+    return None
+
+
 def _merged(op: Op, x: Any, out: Tensor, record: Operand) -> Optional[tuple]:
     """``(B, H)`` of ``out``'s dim -3 when it still holds the ``B·H`` rows of ``x``'s (or folds them now)."""
     if op.kind == K.VIEW and _folded(x, out, record) is not None:
@@ -299,6 +314,8 @@ def layout(tracer: Any, op: Op) -> None:
     if folded is not None:
         tracer.set(out, Operand(merged=folded))
         tracer.fold_seen(folded, out.shape[-3])
+    elif _split_fold(x, out) is not None:
+        tracer.fold_seen(_split_fold(x, out), out.shape[1])
 
 
 @rule(K.LINEAR_IN, None, Operand)

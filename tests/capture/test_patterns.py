@@ -992,3 +992,41 @@ def test_probabilities_renormalised_in_place_still_meet_v() -> None:
     net, s, warned = run(core_renormalised_in_place)
     check(net, s, S0)
     assert not warned, warned
+
+
+class SequenceFirst(nn.Module):
+    """fairseq's multi-head attention: (T, B, E) inputs, q scaled in place, heads split from the
+    features and folded into the batch by one view, then the sequence transposed behind them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads = H
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(H * D, H * D) for _ in range(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        t, b, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q *= D ** -0.5
+        q, k, v = (u.contiguous().view(t, b * H, D).transpose(0, 1) for u in (q, k, v))
+        self.raw = ((q / S0).view(b, H, t, D).detach().double(), k.view(b, H, t, D).detach().double())
+        p = torch.bmm(q, k.transpose(1, 2)).softmax(-1)
+        self.probs = p.view(b, H, t, t)
+        return torch.bmm(p, v).transpose(0, 1).contiguous().view(t, b, H * D)
+
+
+def test_heads_split_and_folded_sequence_first_are_recovered() -> None:
+    torch.manual_seed(0)
+    model = SequenceFirst()
+    self_warned = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.watch(model) as p:
+            model(torch.randn(L, B, H * D)).sum().backward()
+        self_warned = [str(w.message) for w in caught if "probe" in str(w.message)]
+    assert not self_warned, self_warned
+    s = p.summary()
+    assert s.info("root")["heads"] == H and s.info("root")["scale"] == pytest.approx(S0)
+    np.testing.assert_allclose(s.value("root", "entropy"), entropy_ref(model.probs), rtol=1e-5, atol=1e-6)
+    q, k = model.raw
+    np.testing.assert_allclose(s.value("root", "logit_var", "unscaled"),
+                               _pooled_var(q @ k.transpose(-1, -2), torch.ones(B, H, L, L, dtype=torch.bool)), rtol=1e-4)
