@@ -141,6 +141,26 @@ def reference_eager(model: nn.Module, inputs: Inputs) -> Reference:
     return {"attn": dict(q=q, k=k, scale=1 / math.sqrt(D_HEAD), valid=valid)}
 
 
+class SpelledAttention(EagerAttention):
+    """The same attention spelled otherwise (issue 25): the factor on k in place, the softmax as
+    ``exp(x - logsumexp(x))``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (_heads(t) for t in self.qkv(x).split(D_MODEL, dim=-1))
+        k = k.clone()
+        k.mul_(1 / math.sqrt(D_HEAD))
+        future = torch.ones(LENGTH, LENGTH, dtype=torch.bool).triu(1)
+        scores = torch.einsum("bhid,bhjd->bhij", q, k).masked_fill(future, float("-inf"))
+        probs = torch.exp(scores - torch.logsumexp(scores, -1, keepdim=True))
+        return self.o((probs @ v).transpose(1, 2).reshape(x.shape))
+
+
+def make_spelled() -> Tuple[nn.Module, Inputs]:
+    model = EagerModel()
+    model.attn.__class__ = SpelledAttention
+    return model, (_x(),)
+
+
 # -- nn.MultiheadAttention -------------------------------------------------------------------------
 class MHAModel(nn.Module):
     def __init__(self) -> None:
@@ -201,6 +221,8 @@ def reference_flex(model: nn.Module, inputs: Inputs) -> Reference:
 CASES: List[Case] = [
     Case("sdpa", "sdpa", make_sdpa, reference_sdpa),
     Case("eager", "eager", make_eager, reference_eager),
+    Case("eager-spelled", "eager", make_spelled, reference_eager, scaling=False,
+         note="probe.scaling rewrites only the softmax spellings; a spelled-out one is left unchanged and told"),
     Case("mha", "mha", make_mha, reference_mha),
     Case("flex", "flex", make_flex, reference_flex, scaling=False, grads=torch.cuda.is_available(),
          note="FlexAttention's operator runs inside a compiled region, where probe.scaling does not "
