@@ -11,7 +11,11 @@ no longer describes:
 * scores: the output is scores of an unknown scale (reported at ``actual`` only, from the softmax
   input) when it has their shape, else :class:`~probe.capture.records.Derived` (never a fixed bias);
 * an operand after its factor: ``opaque`` (a product with it has an unknown scale);
-* anything else: no record.
+* a part, a permutation or a step of a softmax spelled out, and anything derived: ``Derived``;
+* probabilities and anything else: no record.
+
+Both the defaults (:data:`DEFAULTS`) and whether a record carries a factor of the model's scale
+(:func:`carries_scale`) are tables keyed by the record kind, like the rules.
 
 Rules live in ``rules_*.py`` by the record kind they are about; adding a spelling of a known
 pattern is a line in :mod:`probe.capture.ops`, a new pattern one rule there and one test case.
@@ -27,9 +31,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 from torch import Tensor
 
 from probe.capture.ops import name_of
-from probe.capture.records import Derived, Exp, ExpSum, LogProbs, Moved, Operand, Probs, Scores, Shift, Slice
+from probe.capture.records import Derived, Exp, ExpSum, LogProbs, Moved, Operand, Scores, Shift, Slice
 
-__all__ = ["BEFORE", "Op", "RULES", "before", "default", "find", "rule", "rule_table"]
+__all__ = ["BEFORE", "DEFAULTS", "Op", "RULES", "before", "carries_scale", "default", "find", "rule", "rule_table"]
 
 
 @dataclasses.dataclass
@@ -127,44 +131,56 @@ def unknown(node: Scores, why: str) -> Scores:
     return node if node.unknown else dataclasses.replace(node, unknown=why)
 
 
+#: record kind -> whether a tensor with such a record carries a factor of the model's scale
+_CARRIES: Dict[type, Callable[[Any], bool]] = {
+    Operand: lambda r: False,  # a tensor times a number added to the scores is a bias times that number
+    Derived: lambda r: r.scaled,
+    Scores: lambda r: r.scale != 1.0 or r.scale_t is not None or any(o is not None and o.scaled for o in r.operands),
+    Moved: lambda r: carries_scale(r.of), Slice: lambda r: carries_scale(r.of), Shift: lambda r: carries_scale(r.of),
+    LogProbs: lambda r: carries_scale(r.of), Exp: lambda r: carries_scale(r.of), ExpSum: lambda r: carries_scale(r.of),
+}
+
+
 def carries_scale(record: Any) -> bool:
     """Whether a tensor with this record carries a factor of the model's scale: made from scores
-    with a scale, or from a product with a scaled operand. (An operand itself is not: a tensor
-    times a number added to the scores is a bias times that number.)"""
-    if isinstance(record, Operand):
-        return False
-    if isinstance(record, Derived):
-        return record.scaled
-    if isinstance(record, Scores):
-        return record.scale != 1.0 or record.scale_t is not None or any(o is not None and o.scaled for o in record.operands)
-    if isinstance(record, (Moved, Slice, Shift, LogProbs)):
-        return carries_scale(record.of)
-    if isinstance(record, Exp):
-        return carries_scale(record.of)
-    if isinstance(record, ExpSum):
-        return carries_scale(record.of.of)
-    return False
+    with a scale, or from a product with a scaled operand."""
+    found = _CARRIES.get(type(record))
+    return found is not None and found(record)
+
+
+def _default_scores(subject: Scores, x: Any, out: Tensor, why: str) -> Any:
+    same = x is not None and out.shape == x.shape
+    return unknown(subject, f"{why} on the scores") if same else Derived(carries_scale(subject), f"{why} on the scores")
+
+
+def _default_operand(subject: Operand, x: Any, out: Tensor, why: str) -> Any:
+    if not subject.scaled:
+        return None
+    return Operand(opaque=subject.opaque or f"{why} on q or k after its factor ({subject.how or 'in place'})")
+
+
+def _default_derived(subject: Any, x: Any, out: Tensor, why: str) -> Any:
+    return Derived(carries_scale(subject), subject.why if isinstance(subject, Derived) else f"{why} on the scores")
+
+
+#: the default rule of each record kind (Probs and anything else: no record; a softmax that never
+#: meets v is warned when it is emitted)
+DEFAULTS: Dict[type, Callable[[Any, Any, Tensor, str], Any]] = {
+    Scores: _default_scores, Operand: _default_operand,
+    **{kind: _default_derived for kind in (Moved, Shift, LogProbs, Exp, ExpSum, Slice, Derived)},
+}
 
 
 def default(tracer: Any, op: Op) -> None:
     """The rule of an op no rule describes for its subject (see the module docstring)."""
-    subject, x = op.subject, op.subject_t
-    why = f"`{op.name}`"
+    make = DEFAULTS.get(type(op.subject))
+    if make is None:
+        return
     for out in op.outs:
-        if not (out.is_floating_point() or out.is_complex()):
-            continue
-        if isinstance(subject, Scores):
-            same = x is not None and out.shape == x.shape
-            tracer.set(out, unknown(subject, f"{why} on the scores") if same
-                       else Derived(carries_scale(subject), f"{why} on the scores"))
-        elif isinstance(subject, Operand):
-            if subject.scaled:
-                tracer.set(out, Operand(opaque=subject.opaque or f"{why} on {_which(subject)} after its factor "
-                                        f"({subject.how or 'in place'})"))
-        elif isinstance(subject, (Moved, Shift, LogProbs, Exp, ExpSum, Slice, Derived)):
-            tracer.set(out, Derived(carries_scale(subject), subject.why if isinstance(subject, Derived)
-                                    else f"{why} on the scores"))
-        # Probs and anything else: no record (a softmax that never meets v is warned at its end)
+        if out.is_floating_point() or out.is_complex():
+            record = make(op.subject, op.subject_t, out, f"`{op.name}`")
+            if record is not None:
+                tracer.set(out, record)
 
 
 def rule_table() -> str:
@@ -180,11 +196,3 @@ def rule_table() -> str:
         name = "no record (rules that start one)" if kind is type(None) else f"`{kind.__name__}`"
         lines.append(f"| {name} | " + ", ".join(f"{op} → `{fn}`" for op, fn in found) + " |")
     return "\n".join(lines)
-
-
-def _which(record: Operand) -> str:
-    return "q or k"
-
-
-def is_probs(record: Any) -> bool:
-    return isinstance(record, Probs) or (isinstance(record, Moved) and isinstance(record.of, Probs))
