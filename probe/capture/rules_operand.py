@@ -177,10 +177,7 @@ def replay(tracer: Any, op: Op) -> None:
         outs, bases = (op.outs, list(bases) if isinstance(bases, (list, tuple)) else [bases])
         for o, b in zip(outs, bases):
             if isinstance(b, Tensor) and tuple(b.shape) == tuple(o.shape):
-                if op.kind == K.VIEW and _folded(x, o, first) is not None:
-                    tracer.fold_seen(_folded(x, o, first), o.shape[-3])
-                elif op.kind == K.VIEW and _split_fold(x, o) is not None:
-                    tracer.fold_seen(_split_fold(x, o), o.shape[1])
+                _note_fold(tracer, op, x, o, first)
                 tracer.set(o, dataclasses.replace(first, base=b, kv=None, merged=_merged(op, x, o, first),
                                                   batch_at=_batch_at(op, x, o, first), ops=first.ops + (op.name,)))
             else:
@@ -191,10 +188,7 @@ def replay(tracer: Any, op: Op) -> None:
         kv = first.kv if op.kind in (K.CAST, K.DETACH) else (
             first.kv.transpose(-1, -2) if first.kv is not None and _swaps_last_two(op, x) else None)
         merged, batch_at = _merged(op, x, o, first), _batch_at(op, x, o, first)
-        if op.kind == K.VIEW and _folded(x, o, first) is not None:
-            tracer.fold_seen(merged, o.shape[-3])
-        elif op.kind == K.VIEW and _split_fold(x, o) is not None:
-            tracer.fold_seen(_split_fold(x, o), o.shape[1])
+        _note_fold(tracer, op, x, o, first)
         if kv is not None or merged is not None or batch_at is not None:
             tracer.set(o, Operand(kv=kv, merged=merged, batch_at=batch_at))
 
@@ -281,6 +275,18 @@ def _split_fold(x: Any, out: Any) -> Optional[tuple]:
     return None
 
 
+def _note_fold(tracer: Any, op: Op, x: Any, out: Tensor, record: Optional[Operand]) -> None:
+    """Tell the tracer about a fold of heads into the batch rows seen in the running module
+    (``EagerFrontEnd.fold_seen``): a later product there whose records lost it reads it back."""
+    if op.kind != K.VIEW:
+        return
+    folded = _folded(x, out, record)
+    if folded is not None:
+        tracer.fold_seen(folded, out.shape[-3])
+    elif _split_fold(x, out) is not None:
+        tracer.fold_seen(_split_fold(x, out), out.shape[1])
+
+
 def _merged(op: Op, x: Any, out: Tensor, record: Operand) -> Optional[tuple]:
     """``(B, H)`` of ``out``'s dim -3 when it still holds the ``B·H`` rows of ``x``'s (or folds them now)."""
     if op.kind == K.VIEW and _folded(x, out, record) is not None:
@@ -310,12 +316,10 @@ def layout(tracer: Any, op: Op) -> None:
     if x.dim() == 5 and out.dim() == 4 and x.stride(2) == 0:
         tracer.set(out, repeat_kv(x, out))
         return
-    folded = _folded(x, out, op.rec(x) if isinstance(op.rec(x), Operand) else None)
+    folded = _folded(x, out)
     if folded is not None:
         tracer.set(out, Operand(merged=folded))
-        tracer.fold_seen(folded, out.shape[-3])
-    elif _split_fold(x, out) is not None:
-        tracer.fold_seen(_split_fold(x, out), out.shape[1])
+    _note_fold(tracer, op, x, out, None)
 
 
 @rule(K.LINEAR_IN, None, Operand)
