@@ -281,14 +281,14 @@ class EagerFrontEnd(FrontEnd):
         modules = running_modules()
         return self._folds.get((id(modules[0]) if modules else None, rows)) or None
 
-    def declared_heads(self, rows: int) -> Optional[Tuple[int, str]]:
+    def declared_heads(self) -> Optional[Tuple[int, str]]:
         """``(H, attribute)`` of the innermost running module that declares its head count (an int
-        attribute named as :data:`HEAD_ATTRS` lists, above 1, dividing ``rows``): the heads of a
-        product over ``(B·H, n, d)`` whose merge probe did not see."""
+        attribute named as :data:`HEAD_ATTRS` lists, above 1): the heads of a product over
+        ``(B·H, n, d)`` rows whose fold probe did not see."""
         for module in running_modules():
             for attr in HEAD_ATTRS:
                 value = getattr(module, attr, None)
-                if isinstance(value, int) and not isinstance(value, bool) and value > 1 and rows % value == 0:
+                if isinstance(value, int) and not isinstance(value, bool) and value > 1:
                     return value, attr
         return None
 

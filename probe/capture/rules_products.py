@@ -82,7 +82,8 @@ def start(tracer: Any, op: Op, own_a: Any, own_b: Any, q_of: Map = _same, k_of: 
             q_of = (lambda t, f=q_of, m=merged: unfold(f(t), m))
             k_of = (lambda t, f=k_of, m=merged: unfold(f(t), m))
         else:
-            merged, heads_from = None, None
+            heads_from = heads_from if merged is None else None
+            merged = None
             q, k = q.unsqueeze(1), k.unsqueeze(1)
     if k.shape[0] not in (1, q.shape[0]) or q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1]:
         return None
@@ -106,11 +107,14 @@ def _heads(tracer: Any, q: Tensor, ra: Optional[Operand], rb: Optional[Operand])
         merged = tracer.fold_of(q.shape[0])  # folded in this module, the fact lost on the way (a rotary)
     if merged is not None:
         return merged, None
-    declared = tracer.declared_heads(q.shape[0])
+    declared = tracer.declared_heads()
     if declared is None:
         return None, None
-    return (q.shape[0] // declared[0], declared[0]), (f"heads from the module's `{declared[1]}` = {declared[0]} "
-                                                      "((B·H) rows taken batch-major)")
+    heads, attr = declared
+    if q.shape[0] % heads:  # a slice of the B·H rows (diffusers' SlicedAttnProcessor), or not heads at all
+        return None, (f"the module declares `{attr}` = {heads} but the product has {q.shape[0]} rows, not a "
+                      "multiple: reported as one head per row")
+    return (q.shape[0] // heads, heads), f"heads from the module's `{attr}` = {heads} ((B·H) rows taken batch-major)"
 
 
 def _fire_pv(tracer: Any, probs: Probs, b: Tensor, out: Tensor, v_rec: Any) -> None:
