@@ -1030,3 +1030,25 @@ def test_heads_split_and_folded_sequence_first_are_recovered() -> None:
     q, k = model.raw
     np.testing.assert_allclose(s.value("root", "logit_var", "unscaled"),
                                _pooled_var(q @ k.transpose(-1, -2), torch.ones(B, H, L, L, dtype=torch.bool)), rtol=1e-4)
+
+
+class Sliced(nn.Module):
+    """diffusers' SlicedAttnProcessor: the B·H rows attended a slice at a time, the fold unseen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = 2 * H  # declared; the slices below hold fewer rows
+        self.qkv = nn.Linear(H * D, 3 * H * D)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = torch.from_numpy(self.qkv(x).detach().numpy().reshape(B * H, L, 3 * D).copy())
+        q, k, v = rows.split(D, -1)
+        out = [(q[i:i + 2] @ k[i:i + 2].transpose(1, 2) * S0).softmax(-1) @ v[i:i + 2] for i in range(0, B * H, 2)]
+        return torch.cat(out)
+
+
+def test_a_slice_of_the_folded_rows_is_named() -> None:
+    model = Sliced()
+    with pytest.warns(RuntimeWarning, match="not a multiple: reported as one head per row"):
+        with probe.watch(model):
+            model(torch.randn(B, L, H * D))
