@@ -53,12 +53,11 @@ def rewrite(tracer: Any, op: Op) -> Optional[Any]:
         args, kwargs = ((z, *op.args[1:]), op.kwargs) if op.args else (op.args, {**op.kwargs, "input": z})
     with overrides.applying():
         out = op.func(*args, **kwargs)
-    if record is not None:
-        try:
-            fire(tracer, op, record, x, out)
-        except Exception as err:  # noqa: BLE001 - bookkeeping must never break the model
-            tracer.warn("op", f"probe: eager attention capture skipped a softmax under probe.scaling "
-                        f"({type(err).__name__}: {err})")
+    try:  # left unchanged (not describable: a soft cap): recorded as it is
+        fire(tracer, op, record if record is not None else node, x, out)
+    except Exception as err:  # noqa: BLE001 - bookkeeping must never break the model
+        tracer.warn("op", f"probe: eager attention capture skipped a softmax under probe.scaling "
+                    f"({type(err).__name__}: {err})")
     return out
 
 

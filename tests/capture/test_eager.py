@@ -471,3 +471,18 @@ def test_the_rule_table_in_the_docs_is_current():
     text = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
     shown = text.split("<!-- rule table: start -->\n", 1)[1].split("\n<!-- rule table: end -->", 1)[0]
     assert shown == rule_table()
+
+
+def test_a_site_probe_scaling_leaves_unchanged_is_still_recorded():
+    """probe.scaling cannot rewrite a soft-capped eager softmax (left unchanged, told): the probe
+    below it still records the site at its own scale, and the audit misses nothing."""
+    model = Eager("softcap")
+    x, pad = _batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.watch(model) as p, probe.scaling(model, "unscaled"):
+            model(x, pad)
+    said = [str(w.message) for w in caught]
+    assert any("NOT rewritten" in m for m in said) and not any("NOT measured" in m for m in said), said
+    info = p.summary().info("root")
+    assert info["softcap"] == pytest.approx(5.0) and info["scale"] == pytest.approx(D ** -0.5)
