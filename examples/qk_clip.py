@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-2)
     parser.add_argument("--logdir", default=os.path.join("runs", "qk_clip"))
     args = parser.parse_args()
-    config = DemoConfig(steps=args.steps, lr=args.lr, d_model=128, batch=16)
+    config = DemoConfig(task="copy", length=12, steps=args.steps, lr=args.lr, d_model=128, batch=16)
     free, free_loss, _ = train(config, args.tau, os.path.join(args.logdir, "free"), clip=False)
     capped, capped_loss, summary = train(config, args.tau, os.path.join(args.logdir, "clipped"), clip=True)
     print(f"max logit over all heads (τ = {args.tau:g})")
