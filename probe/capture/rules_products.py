@@ -72,6 +72,12 @@ def start(tracer: Any, op: Op, own_a: Any, own_b: Any, q_of: Map = _same, k_of: 
     if rb is not None and rb.kv is not None and rb.base is None:
         k = k_of(rb.kv)  # grouped-query attention: the kv heads, not their repeated copies
     heads_from = None
+    if q.dim() >= 4 and q.shape[1] != 1 and tracer.fold_of(q.shape[0]):
+        # the leading dim holds heads folded into the batch in this module, and dim 1 something else
+        # (local-attention: (B·H, windows, n, d)): dim 1 is read as heads, the real heads pooled
+        b, h = tracer.fold_of(q.shape[0])[:2]
+        heads_from = (f"its product's leading dim holds the {b}·{h} rows of heads folded into the batch in this "
+                      f"module, and its dim 1 ({q.shape[1]}: windows?) is reported as heads")
     if q.dim() > 4:  # extra leading dims (windows, blocks: (B, T, H, N, d)): flattened into the batch
         q, k = q.reshape(-1, *q.shape[-3:]), k.reshape(-1, *k.shape[-3:])
     merged = None
@@ -92,7 +98,7 @@ def start(tracer: Any, op: Op, own_a: Any, own_b: Any, q_of: Map = _same, k_of: 
     opaque = next((r.opaque for r in (ra, rb) if r is not None and r.opaque), None)
     return Scores(q=q, k=k, ndim=op.out.dim(), merged=merged, scale=scale, scale_t=scale_t,
                   grad_of=tuple((n, *g) for n, g in grads if g is not None),
-                  scale_from=("; ".join(how) + " before q·kᵀ") if how else heads_from,
+                  scale_from=("; ".join(how) + " before q·kᵀ") if how else None,
                   unattributed=opaque, operands=(ra, rb), heads_from=heads_from)
 
 
@@ -112,9 +118,10 @@ def _heads(tracer: Any, q: Tensor, ra: Optional[Operand], rb: Optional[Operand])
         return None, None
     heads, attr = declared
     if q.shape[0] % heads:  # a slice of the B·H rows (diffusers' SlicedAttnProcessor), or not heads at all
-        return None, (f"the module declares `{attr}` = {heads} but the product has {q.shape[0]} rows, not a "
-                      "multiple: reported as one head per row")
-    return (q.shape[0] // heads, heads), f"heads from the module's `{attr}` = {heads} ((B·H) rows taken batch-major)"
+        return None, (f"heads folded into the batch where probe did not see it, and the module declares `{attr}` = "
+                      f"{heads} but the product has {q.shape[0]} rows, not a multiple: reported as one head per row")
+    return (q.shape[0] // heads, heads), (f"heads folded into the batch where probe did not see it: taken from the "
+                                          f"module's `{attr}` = {heads} ((B·H) rows read batch-major)")
 
 
 def _fire_pv(tracer: Any, probs: Probs, b: Tensor, out: Tensor, v_rec: Any) -> None:

@@ -69,8 +69,8 @@ def fire(tracer: Any, op: Op, node: Scores, x: Tensor, out: Any) -> None:
     call = to_call(node, x)
     key = reserve_site()  # named after the module running now, which ran the softmax, whenever P·v comes
     if node.heads_from and isinstance(key, tuple):
-        tracer.warn(f"heads:{key[0]}", f"probe: the attention at site {key[0]!r} has its heads folded into the "
-                    f"batch without a fold probe saw; {node.heads_from}: per-head values may pool several heads")
+        tracer.warn(f"heads:{key[0]}", f"probe: the attention at site {key[0]!r}: {node.heads_from}; per-head "
+                    "values may pool several heads")
     if call.scale is None or not isinstance(out, Tensor):
         if key is None:
             op.emit(call)

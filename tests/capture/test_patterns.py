@@ -1052,3 +1052,17 @@ def test_a_slice_of_the_folded_rows_is_named() -> None:
     with pytest.warns(RuntimeWarning, match="not a multiple: reported as one head per row"):
         with probe.watch(model):
             model(torch.randn(B, L, H * D))
+
+
+def core_windows_after_the_fold(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    # local-attention: heads folded into the batch, then the sequence cut into windows (a 4-D product)
+    q, k, v = (t.reshape(B * H, L, D) for t in (q, k, v))
+    bq, bk, bv = (t[:, :4].reshape(B * H, 2, 2, D) for t in (q, k, v))
+    p = torch.einsum("bwid,bwjd->bwij", bq * S0, bk).softmax(-1)
+    out = torch.einsum("bwij,bwjd->bwid", p, bv).reshape(B * H, 4, D)
+    return torch.cat((out, v[:, 4:]), 1).view(B, H, L, D)
+
+
+def test_windows_after_a_fold_are_named() -> None:
+    net, s, warned = run(core_windows_after_the_fold, grads=False)
+    assert any("'blocks.0'" in w and "windows?" in w for w in warned), warned
