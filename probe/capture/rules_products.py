@@ -32,6 +32,16 @@ __all__ = ["einsum_pair", "pv_roles", "qk_roles", "start"]
 Map = Callable[[Tensor], Tensor]
 
 
+def weight(t: Tensor) -> bool:
+    """A parameter, or a view of one (``rearrange(self.to_kv.weight, ...)``: CoLT5): a product with it
+    is a projection, not scores."""
+    while t is not None:
+        if isinstance(t, nn.Parameter):
+            return True
+        t = t._base
+    return False
+
+
 def _same(t: Tensor) -> Tensor:
     return t
 
@@ -47,7 +57,7 @@ def start(tracer: Any, op: Op, own_a: Any, own_b: Any, q_of: Map = _same, k_of: 
     (``(..., S, d)``), with the factors their records carry taken out into the scale."""
     if not (isinstance(own_a, Tensor) and isinstance(own_b, Tensor) and isinstance(op.out, Tensor)):
         return None
-    if own_a.dim() < 3 or own_b.dim() < 3 or isinstance(own_a, nn.Parameter) or isinstance(own_b, nn.Parameter):
+    if own_a.dim() < 3 or own_b.dim() < 3 or weight(own_a) or weight(own_b):
         return None
     ra, rb = op.rec(own_a), op.rec(own_b)
     ra = ra if isinstance(ra, Operand) else None
@@ -72,7 +82,7 @@ def start(tracer: Any, op: Op, own_a: Any, own_b: Any, q_of: Map = _same, k_of: 
     if rb is not None and rb.kv is not None and rb.base is None:
         k = k_of(rb.kv)  # grouped-query attention: the kv heads, not their repeated copies
     heads_from = None
-    if q.dim() >= 4 and q.shape[1] != 1 and tracer.fold_of(q.shape[0]):
+    if q.dim() >= 4 and tracer.fold_of(q.shape[0]):
         # the leading dim holds heads folded into the batch in this module, and dim 1 something else
         # (local-attention: (B·H, windows, n, d)): dim 1 is read as heads, the real heads pooled
         b, h = tracer.fold_of(q.shape[0])[:2]
@@ -153,7 +163,7 @@ def qk_product(tracer: Any, op: Op) -> None:
     if node is not None:
         tracer.set(op.out, node)
     elif isinstance(a, Tensor) and isinstance(b, Tensor) and a.dim() >= 3 and b.dim() >= 3 \
-            and not isinstance(a, nn.Parameter) and not isinstance(b, nn.Parameter):
+            and not weight(a) and not weight(b):
         _opaque(tracer, op)  # two activations, but not q·kᵀ: a factor on either is no longer read
 
 
@@ -294,7 +304,7 @@ def qk_einsum(tracer: Any, op: Op) -> None:
     roles = qk_roles(sx2, sy2, res)
     if roles is None:
         return _opaque(tracer, op) if isinstance(x, Tensor) and isinstance(y, Tensor) and not any(
-            isinstance(t, nn.Parameter) or t.dim() < 3 for t in (x, y)) else None
+            weight(t) or t.dim() < 3 for t in (x, y)) else None
     to_q, to_k = [sx2.index(c) for c in roles[0]], [sy2.index(c) for c in roles[1]]
 
     def q_of(t: Tensor, d: list = to_q, f: Any = lx) -> Tensor:

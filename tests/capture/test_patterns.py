@@ -1066,3 +1066,17 @@ def core_windows_after_the_fold(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Ten
 def test_windows_after_a_fold_are_named() -> None:
     net, s, warned = run(core_windows_after_the_fold, grads=False)
     assert any("'blocks.0'" in w and "windows?" in w for w in warned), warned
+
+
+def core_kv_from_a_viewed_weight(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    # CoLT5: k computed by an einsum with a view of a parameter: a projection, not scores
+    w = m.out.weight.view(H, D, H, D)[:, :, 0]  # (H, D, D) view of a Parameter
+    k2 = torch.einsum("hde,bhne->bhnd", w, k * 3.0)  # a factor before the projection is absorbed
+    m.raw = (q.detach().double(), k2.detach().double())
+    return keep(m, (q * S0 @ k2.transpose(-1, -2)).softmax(-1)) @ v
+
+
+def test_a_product_with_a_view_of_a_weight_is_a_projection() -> None:
+    net, s, warned = run(core_kv_from_a_viewed_weight)
+    check(net, s, S0)
+    assert not warned, warned
