@@ -18,7 +18,7 @@ from probe.call import AttentionCall
 from probe.capture.records import Operand, Scores
 
 __all__ = ["MASK_BIAS", "MASK_FILL", "factor", "grad_map", "head_mix", "heads_of", "lift", "number", "permuted",
-           "prescale_factor", "repeat_kv", "rescaled", "reshaped", "scaled", "to_call", "unfold"]
+           "prescale_factor", "repeat_kv", "rescaled", "reshaped", "scaled", "to_call", "unfold", "windowed"]
 
 #: A floor at or below this only touches masked entries (``torch.max(scores, finfo.min)``).
 MASK_FILL = -1e4
@@ -146,7 +146,7 @@ def reshaped(node: Scores, x: Tensor, out: Tensor) -> Optional[Scores]:
     if out.dim() == 3:  # (B, H, L, S) -> (B*H, L, S)
         return dataclasses.replace(node, ndim=3) if out.shape[0] == x.shape[0] * x.shape[1] else None
     if node.merged is not None and len(node.merged) > 2:
-        return None  # head-major rows viewed as (H, B, L, S): not the record's (B, H) layout
+        return None  # head-major or windowed rows viewed otherwise: not the record's (B, H) layout
     # (N, L, S) -> (B, H, L, S): learn the heads of a bmm layout
     b, h = out.shape[0], out.shape[1]
     if b * h != x.shape[0]:
@@ -161,14 +161,25 @@ def reshaped(node: Scores, x: Tensor, out: Tensor) -> Optional[Scores]:
 def unfold(t: Tensor, merged: Tuple[Any, ...]) -> Tensor:
     """``(B, H', ...)`` from ``(B·H', ...)`` rows (``H'`` = the heads of ``t``: H, or fewer kv heads):
     batch-major rows (``merged = (B, H)``), or head-major ones (``(B, H, "hb")``: row ``h·B + b``,
-    from ``(H, B, n, d)`` folded: ``q.permute(2, 0, 1, 3).reshape(-1, n, d)``)."""
+    from ``(H, B, n, d)`` folded: ``q.permute(2, 0, 1, 3).reshape(-1, n, d)``). With windows after
+    the rows (``(B, H, "win")``: ``(B·H', W, n, x)``, local-attention): ``(B·W, H', n, x)``."""
+    if len(merged) > 2 and merged[2] == "win":
+        t5 = t.reshape(merged[0], -1, *t.shape[1:])  # (B, H', W, n, x)
+        return t5.transpose(1, 2).reshape(-1, t5.shape[1], *t.shape[2:])
     if len(merged) > 2:
         return t.reshape(-1, merged[0], *t.shape[1:]).transpose(0, 1)
     return t.reshape(merged[0], -1, *t.shape[1:])
 
 
+def windowed(merged: Optional[Tuple[Any, ...]]) -> bool:
+    """Whether ``merged`` describes ``(B·H, W, n, x)``: heads folded into the batch, then windows."""
+    return merged is not None and len(merged) > 2 and merged[2] == "win"
+
+
 def heads_of(t: Tensor, merged: Optional[Tuple[Any, ...]]) -> Tensor:
     """(B, H, n, d) from a 4-D tensor or a (B*H, n, d) one."""
+    if windowed(merged) and t.dim() == 4 and t.shape[0] % merged[0] == 0:
+        return unfold(t, merged)
     if t.dim() == 4:
         return t
     if t.dim() > 4:  # extra leading dims (windows, blocks): flattened into the batch
@@ -181,6 +192,9 @@ def heads_of(t: Tensor, merged: Optional[Tuple[Any, ...]]) -> Tensor:
 def lift(t: Tensor, layout: int, node: Scores) -> Tensor:
     """A bias or mask applied to a ``layout``-dim score tensor, broadcastable to (B, H, L, S).
     ``layout`` is the shape of the scores when it has more than 4 dims (extra leading dims)."""
+    if windowed(node.merged) and layout == 4:  # (B·H, W, L, S) scores: the bias over every row, then unfolded
+        b, h = node.merged[:2]
+        return unfold(t.expand(b * h, node.merged[3], *t.shape[-2:]) if t.dim() >= 2 else t, node.merged)
     if isinstance(layout, tuple):  # applied to (..., H, L, S) scores: flatten the leading dims
         return t.expand(layout).reshape(-1, *layout[-3:])
     if layout > 4 and t.dim() == layout:
@@ -236,7 +250,7 @@ def head_mix(root: Scores, m: Tensor) -> Optional[Scores]:
     scale is unknown."""
     if root.unknown or root.tanh or root.softcap is not None or root.scale_t is not None:
         return None
-    if root.ndim != 4 or root.mix is not None or m.dim() != 2 or m.shape[0] != root.q.shape[1]:
+    if root.ndim != 4 or root.mix is not None or m.dim() != 2 or m.shape[0] != root.q.shape[1] or windowed(root.merged):
         return None
     b, h, length, d = root.q.shape
 

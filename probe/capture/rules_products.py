@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from probe.capture import ops as K
-from probe.capture.eager_scores import grad_map, head_mix, heads_of, number, permuted, unfold
+from probe.capture.eager_scores import grad_map, head_mix, heads_of, number, permuted, unfold, windowed
 from probe.capture.records import Derived, Moved, Operand, Probs, Scores
 from probe.capture.rules import Op, rule, unknown
 
@@ -82,15 +82,20 @@ def start(tracer: Any, op: Op, own_a: Any, own_b: Any, q_of: Map = _same, k_of: 
     if rb is not None and rb.kv is not None and rb.base is None:
         k = k_of(rb.kv)  # grouped-query attention: the kv heads, not their repeated copies
     heads_from = None
-    if q.dim() >= 4 and tracer.fold_of(q.shape[0]):
-        # the leading dim holds heads folded into the batch in this module, and dim 1 something else
-        # (local-attention: (B·H, windows, n, d)): dim 1 is read as heads, the real heads pooled
-        b, h = tracer.fold_of(q.shape[0])[:2]
-        heads_from = (f"its product's leading dim holds the {b}·{h} rows of heads folded into the batch in this "
-                      f"module, and its dim 1 ({q.shape[1]}: windows?) is reported as heads")
+    merged = None
+    fold = tracer.fold_of(q.shape[0]) if q.dim() >= 4 else None
+    if fold is not None and q.dim() == 4 and len(fold) == 2 and k.shape[0] % fold[0] == 0:
+        # the leading dim holds heads folded into the batch in this module, dim 1 windows
+        # (local-attention: (B·H, W, n, d)): read as (B·W, H, n, d)
+        merged = (fold[0], fold[1], "win", q.shape[1])
+        q, k = unfold(q, merged), unfold(k, merged)
+        q_of = (lambda t, f=q_of, m=merged: unfold(f(t), m))
+        k_of = (lambda t, f=k_of, m=merged: unfold(f(t), m))
+    elif fold is not None:
+        heads_from = (f"its product's leading dim holds the {fold[0]}·{fold[1]} rows of heads folded into the batch "
+                      f"in this module, and its dim 1 ({q.shape[1]}: windows?) is reported as heads")
     if q.dim() > 4:  # extra leading dims (windows, blocks: (B, T, H, N, d)): flattened into the batch
         q, k = q.reshape(-1, *q.shape[-3:]), k.reshape(-1, *k.shape[-3:])
-    merged = None
     if q.dim() == 3:
         merged, heads_from = _heads(tracer, q, ra, rb)
         if merged is not None and q.shape[0] == merged[0] * merged[1] and k.shape[0] % merged[0] == 0:
@@ -138,7 +143,8 @@ def _fire_pv(tracer: Any, probs: Probs, b: Tensor, out: Tensor, v_rec: Any) -> N
     v = heads_of(b, probs.merged)
     if b.dim() == 4 and isinstance(v_rec, Operand) and v_rec.kv is not None:
         v = v_rec.kv  # the kv heads behind a repeat_kv copy
-    pre = (lambda g, m=probs.merged: heads_of(g, m)) if b.dim() == 3 and probs.merged is not None else None
+    pre = ((lambda g, m=probs.merged: heads_of(g, m))
+           if probs.merged is not None and (b.dim() == 3 or windowed(probs.merged)) else None)
     probs.fire(v, heads_of(out, probs.merged), grad_map(b, v, pre=pre))
 
 
@@ -286,6 +292,8 @@ def pv_einsum(tracer: Any, op: Op) -> None:
             to_v, to_out = [sv2.index(c) for c in roles[0] + roles[2]], [res.index(c) for c in roles[1]]
             pre = (lambda g, d=to_v: g.permute(d)) if lift is None else (lambda g, d=to_v, f=lift: f(g).permute(d))
             v = heads_of(pre(t), probs.merged)
+            if windowed(probs.merged):
+                pre = (lambda g, p=pre, m=probs.merged: heads_of(p(g), m))
             probs.fire(v, heads_of(permuted(op.out, to_out), probs.merged), grad_map(t, v, pre=pre))
         elif sp[-2:] == res[-2:]:  # P mixed over heads after the softmax (re-attention)
             tracer.set(op.out, probs)

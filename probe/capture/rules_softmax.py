@@ -78,8 +78,9 @@ def fire(tracer: Any, op: Op, node: Scores, x: Tensor, out: Any) -> None:
             op.emit(call, key)
         return
     call = dataclasses.replace(call, probs=out)  # its gradient is dP itself: exact under dropout too
-    if node.merged is not None and len(node.merged) > 2 and out.dim() == 3:
-        # head-major (H·B, L, S) rows: the record reads them as (B, H, L, S), its hook stays on the model's own P
+    if node.merged is not None and len(node.merged) > 2 and out.dim() == (4 if node.merged[2] == "win" else 3):
+        # head-major (H·B, L, S) rows, or (B·H, W, L, S) windows: the record reads them as (B', H, L, S),
+        # its hook stays on the model's own P
         m = node.merged
         with torch.no_grad():
             view = unfold(out.detach(), m).contiguous()

@@ -1054,18 +1054,55 @@ def test_a_slice_of_the_folded_rows_is_named() -> None:
             model(torch.randn(B, L, H * D))
 
 
-def core_windows_after_the_fold(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    # local-attention: heads folded into the batch, then the sequence cut into windows (a 4-D product)
-    q, k, v = (t.reshape(B * H, L, D) for t in (q, k, v))
-    bq, bk, bv = (t[:, :4].reshape(B * H, 2, 2, D) for t in (q, k, v))
-    p = torch.einsum("bwid,bwjd->bwij", bq * S0, bk).softmax(-1)
-    out = torch.einsum("bwij,bwjd->bwid", p, bv).reshape(B * H, 4, D)
-    return torch.cat((out, v[:, 4:]), 1).view(B, H, L, D)
+class LocalWindows(nn.Module):
+    """local-attention's layout: heads folded into the batch, the sequence cut into windows that
+    attend to themselves and the window before (causal), padded with -inf keys at the start."""
+
+    def __init__(self, heads: int = 2, window: int = 3) -> None:
+        super().__init__()
+        self.heads, self.window = heads, window
+        self.qkv = nn.Linear(16, 3 * 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, n, _ = x.shape
+        h, w, d = self.heads, self.window, 16 // self.heads
+        q, k, v = (t.reshape(b, n, h, d).transpose(1, 2).reshape(b * h, n, d) for t in self.qkv(x).chunk(3, -1))
+        q = q * d ** -0.5
+        bq, bk, bv = (t.reshape(b * h, n // w, w, d) for t in (q, k, v))
+        pad = lambda t: torch.cat((torch.zeros_like(t[:, :1]), t[:, :-1]), 1)  # noqa: E731 - the previous window
+        bk, bv = torch.cat((pad(bk), bk), 2), torch.cat((pad(bv), bv), 2)  # (B·H, W, 2w, d)
+        i = torch.arange(w)[:, None] + w
+        j = torch.arange(2 * w)[None, :]
+        mask = (j > i).expand(n // w, w, 2 * w).clone()
+        mask[0, :, :w] = True  # no window before the first
+        sim = torch.einsum("bwid,bwjd->bwij", bq, bk).masked_fill(mask, float("-inf"))
+        p = sim.softmax(-1)
+        self.probs = p.reshape(b, h, n // w, w, 2 * w).transpose(1, 2).reshape(-1, h, w, 2 * w)
+        self.valid = ~mask.expand(b, n // w, w, 2 * w).reshape(-1, 1, w, 2 * w)
+        out = torch.einsum("bwij,bwjd->bwid", p, bv).reshape(b, h, n, d)
+        return out.transpose(1, 2).reshape(b, n, 16)
 
 
-def test_windows_after_a_fold_are_named() -> None:
-    net, s, warned = run(core_windows_after_the_fold, grads=False)
-    assert any("'blocks.0'" in w and "windows?" in w for w in warned), warned
+def test_windows_after_a_fold_are_measured_per_head() -> None:
+    torch.manual_seed(0)
+    model = LocalWindows()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.watch(model) as p:
+            model(torch.randn(2, 12, 16)).sum().backward()
+    said = [str(w.message) for w in caught if "probe" in str(w.message)]
+    assert not said, said
+    s = p.summary()
+    assert s.info("root")["heads"] == 2 and s.info("root")["scale"] == pytest.approx(8 ** -0.5)
+    probs, valid = model.probs.detach().double(), model.valid.expand_as(model.probs)
+    n = valid.sum(-1)
+    ent = -(torch.where(valid, probs * probs.clamp_min(1e-300).log(), torch.zeros_like(probs))).sum(-1)
+    ent = ent / n.clamp(min=2).double().log()
+    rows = n >= 2
+    want = ((ent * rows).sum((0, 2)) / rows.sum((0, 2))).numpy()
+    np.testing.assert_allclose(s.value("root", "entropy"), want, rtol=1e-5, atol=1e-6)
+    for g in ("grad_logits", "grad_q", "grad_k", "grad_v"):
+        assert g in s.metrics("root")
 
 
 def core_kv_from_a_viewed_weight(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
