@@ -61,6 +61,8 @@ class Operand:
         batch_at: where the batch dim (dim 0 of the projection's output) is now, counted from the
             end, when a permutation moved it (``q.permute(2, 0, 1, 3)``: ``-3``); a reshape that
             folds heads into the batch tells head-major rows from batch-major ones by it.
+        lead: ``(B, H)`` (as ``merged``) when dim 0 of ``t`` holds the ``B·H`` rows of a fold and
+            views kept it there while the rest changed (windows: ``(B·H, W, n, d)``, local-attention).
     """
 
     base: Optional[Tensor] = None
@@ -72,6 +74,7 @@ class Operand:
     kv: Optional[Tensor] = None
     opaque: Optional[str] = None
     batch_at: Optional[int] = None
+    lead: Optional[Tuple[Any, ...]] = None
 
     @property
     def scaled(self) -> bool:

@@ -179,7 +179,8 @@ def replay(tracer: Any, op: Op) -> None:
             if isinstance(b, Tensor) and tuple(b.shape) == tuple(o.shape):
                 _note_fold(tracer, op, x, o, first)
                 tracer.set(o, dataclasses.replace(first, base=b, kv=None, merged=_merged(op, x, o, first),
-                                                  batch_at=_batch_at(op, x, o, first), ops=first.ops + (op.name,)))
+                                                  batch_at=_batch_at(op, x, o, first), lead=_lead(op, x, o, first),
+                                                  ops=first.ops + (op.name,)))
             else:
                 tracer.set(o, _opaque(first, f"`{op.name}` on q or k after its factor"))
         return
@@ -187,10 +188,10 @@ def replay(tracer: Any, op: Op) -> None:
     for o in op.outs:
         kv = first.kv if op.kind in (K.CAST, K.DETACH) else (
             first.kv.transpose(-1, -2) if first.kv is not None and _swaps_last_two(op, x) else None)
-        merged, batch_at = _merged(op, x, o, first), _batch_at(op, x, o, first)
+        merged, batch_at, lead = _merged(op, x, o, first), _batch_at(op, x, o, first), _lead(op, x, o, first)
         _note_fold(tracer, op, x, o, first)
-        if kv is not None or merged is not None or batch_at is not None:
-            tracer.set(o, Operand(kv=kv, merged=merged, batch_at=batch_at))
+        if kv is not None or merged is not None or batch_at is not None or lead is not None:
+            tracer.set(o, Operand(kv=kv, merged=merged, batch_at=batch_at, lead=lead))
 
 
 def _batch_at(op: Op, x: Any, out: Tensor, record: Optional[Operand]) -> Optional[int]:
@@ -257,7 +258,8 @@ def _folded(x: Any, out: Any, record: Optional[Operand] = None) -> Optional[tupl
     ``(B, H, "hb")`` when the batch dim was moved second (``(H, B, n, d)``: head-major rows)."""
     if isinstance(x, Tensor) and isinstance(out, Tensor) and x.dim() >= 4 and out.dim() == x.dim() - 1 \
             and tuple(out.shape[-2:]) == tuple(x.shape[-2:]) and tuple(out.shape[:-3]) == tuple(x.shape[:-4]) \
-            and out.shape[-3] == x.shape[-4] * x.shape[-3] and x.shape[-3] > 1:
+            and out.shape[-3] == x.shape[-4] * x.shape[-3] and x.shape[-3] > 1 \
+            and x.stride(-4) != 0 and x.stride(-3) != 0:  # an expanded dim repeats kv heads (repeat_kv): no fold
         if record is not None and record.batch_at == -3:
             return (x.shape[-3], x.shape[-4], "hb")
         return (x.shape[-4], x.shape[-3])
@@ -272,6 +274,27 @@ def _split_fold(x: Any, out: Any) -> Optional[tuple]:
         heads = x.shape[-1] // out.shape[-1]
         if heads > 1 and out.shape[1] == x.shape[1] * heads:
             return (x.shape[1], heads)
+    return None
+
+
+def _lead(op: Op, x: Any, out: Tensor, record: Optional[Operand]) -> Optional[tuple]:
+    """``(B, H)`` when dim 0 of ``out`` holds the ``B·H`` rows of a fold: a fold into a 3-D tensor
+    now, or ``x``'s kept by an op that leaves dim 0 alone (views of the rest, parts, casts)."""
+    if not isinstance(x, Tensor) or out.dim() < 3:
+        return None
+    if op.kind == K.VIEW and out.dim() == 3:
+        folded = _folded(x, out, record)
+        if folded is not None and len(folded) == 2:
+            return folded
+    lead = None if record is None else (record.lead or (record.merged if x.dim() == 3 and record.merged
+                                                        and len(record.merged) == 2 else None))
+    if lead is None or out.shape[0] != x.shape[0]:
+        return None
+    if op.kind in (K.VIEW, K.INDEX, K.CAST, K.DETACH, K.NEG, K.JOIN):
+        return lead
+    if op.kind in (K.TRANSPOSE, K.PERMUTE):
+        perm = _permutation(op, x.dim())
+        return lead if perm is not None and perm[0] == 0 else None
     return None
 
 
@@ -318,7 +341,7 @@ def layout(tracer: Any, op: Op) -> None:
         return
     folded = _folded(x, out)
     if folded is not None:
-        tracer.set(out, Operand(merged=folded))
+        tracer.set(out, Operand(merged=folded, lead=folded if out.dim() == 3 and len(folded) == 2 else None))
     _note_fold(tracer, op, x, out, None)
 
 

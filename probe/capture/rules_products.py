@@ -83,11 +83,12 @@ def start(tracer: Any, op: Op, own_a: Any, own_b: Any, q_of: Map = _same, k_of: 
         k = k_of(rb.kv)  # grouped-query attention: the kv heads, not their repeated copies
     heads_from = None
     merged = None
-    fold = tracer.fold_of(q.shape[0]) if q.dim() >= 4 else None
-    if fold is not None and q.dim() == 4 and len(fold) == 2 and k.shape[0] % fold[0] == 0:
+    lead = next((r.lead for r in (ra, rb) if r is not None and r.lead is not None), None) if q.dim() >= 4 else None
+    fold = lead or (tracer.fold_of(q.shape[0]) if q.dim() >= 4 else None)
+    if lead is not None and q.dim() == 4 and q.shape[0] == lead[0] * lead[1] and k.shape[0] % lead[0] == 0:
         # the leading dim holds heads folded into the batch in this module, dim 1 windows
         # (local-attention: (B·H, W, n, d)): read as (B·W, H, n, d)
-        merged = (fold[0], fold[1], "win", q.shape[1])
+        merged = (lead[0], lead[1], "win", q.shape[1])
         q, k = unfold(q, merged), unfold(k, merged)
         q_of = (lambda t, f=q_of, m=merged: unfold(f(t), m))
         k_of = (lambda t, f=k_of, m=merged: unfold(f(t), m))
