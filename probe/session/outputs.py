@@ -96,5 +96,14 @@ class Outputs:
             if self.logdir is not None:
                 # Before waiting on the sinks: a slow sink or a second Ctrl-C cannot cost the summary.
                 self.writer.save(self.summary(), final=True)
-        finally:
-            self.writer.close(timeout)
+        except BaseException:
+            # Ctrl-C (or SystemExit) before the sinks' wait: leave at once, as the user asked, and
+            # never with a summary file older than the statistics if it can be written in time.
+            self.writer.stop()
+            if self.logdir is not None:
+                try:
+                    self.writer.save(self.summary(), final=True)
+                except Exception:  # noqa: BLE001 - save warns; the interrupt is what propagates
+                    pass
+            raise
+        self.writer.close(timeout)

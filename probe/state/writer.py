@@ -351,11 +351,8 @@ class Writer:
         """Stop the lanes (each writes what it holds, flushes and closes its sink), waiting at most
         ``timeout`` seconds in all. Returns a description of each sink that did not finish (after
         warning about it)."""
-        self._closed = True
-        self._wake.set()
+        self.stop()
         deadline = time.monotonic() + timeout
-        for lane in self._lanes:
-            lane.stop()
         late: List[str] = []
         for lane in self._lanes:
             if not lane.join(deadline):
@@ -367,6 +364,15 @@ class Writer:
                     "are complete in Probe.summary() and probe_summary.json."
                 )
         return late
+
+    def stop(self) -> None:
+        """Tell the refresher and every lane to finish (each writes what it holds, flushes and
+        closes its sink on its own thread) without waiting for them: what a Ctrl-C during
+        ``close()`` gets, so that it returns at once."""
+        self._closed = True
+        self._wake.set()
+        for lane in self._lanes:
+            lane.stop()
 
     def on_own_thread(self) -> bool:
         """Whether the caller runs on one of this writer's threads (a lane or the refresher)."""

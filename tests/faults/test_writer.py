@@ -254,3 +254,35 @@ def test_ctrl_c_during_close_keeps_the_summary_and_returns_at_once(tmp_path):
     assert "interrupted after" in out, (out, err)
     assert float(out.split()[-1]) < 30  # not the 120 s close_timeout, not the stuck sink's 300 s
     assert probe.Summary.load(tmp_path).steps == 3
+
+
+def test_ctrl_c_while_the_summary_is_written_returns_without_waiting_on_a_stuck_sink(tmp_path, monkeypatch):
+    # The subprocess test above sends its Ctrl-C after 1 s; on a loaded machine close() was still
+    # writing the summary then, and the interrupt waited for the sinks (close_timeout) before it
+    # propagated. Here the interrupt lands inside that write, every time.
+    sink = BlockingSink(patience=60.0)
+    model, xs = model_and_inputs(3)
+    p = probe.watch(model, logdir=str(tmp_path), sinks=[sink], close_timeout=60)
+    for x in xs:
+        train_step(model, x)
+    original = probe.Summary.save
+    calls = []
+
+    def interrupted_once(self, path):
+        calls.append(path)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return original(self, path)
+
+    monkeypatch.setattr(probe.Summary, "save", interrupted_once)
+    t0 = time.monotonic()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(KeyboardInterrupt):
+                p.close()
+        assert time.monotonic() - t0 < 10  # not the 60 s close_timeout
+        monkeypatch.setattr(probe.Summary, "save", original)
+        assert probe.Summary.load(tmp_path).steps == 3
+    finally:
+        sink.release.set()
