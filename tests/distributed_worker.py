@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import probe
-from tests.helpers import SDPAModel
+from tests.helpers import SDPAModel, leave
 
 
 def full_batch(seed: int, batch: int = 4, length: int = 9) -> torch.Tensor:
@@ -204,10 +204,13 @@ def main() -> None:
             "manual": run_manual(rank),
             "mismatch": run_mismatch(rank),
         }
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     with open(os.path.join(outdir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(out, f)
+    leave()
+
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import probe
+from tests.helpers import leave
 
 
 def batch(rank: int) -> torch.Tensor:
@@ -68,9 +69,11 @@ def main() -> None:
         s = _step(sharded, x)
         out["fsdp"] = {n: p.full_tensor().detach().clone() for n, p in sharded.named_parameters()}
         out["fsdp_info"] = s.info("root").get("qk_clip") if rank == 0 else None
+        dist.barrier()
     finally:
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
         dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

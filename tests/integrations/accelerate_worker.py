@@ -12,7 +12,7 @@ import sys
 import torch
 
 import probe
-from tests.helpers import SDPAModel
+from tests.helpers import SDPAModel, leave
 
 
 def prepared_model(out: str) -> dict:
@@ -64,9 +64,7 @@ def main() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":
