@@ -230,6 +230,9 @@ INTERRUPTED_CLOSE = textwrap.dedent(
         def write(self, step, summary):
             time.sleep(300)
 
+    # Python turns SIGINT into KeyboardInterrupt only if it was not ignored when the process
+    # started, and a shell's background job (`cmd &`) starts its children with it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     model, xs = model_and_inputs(3)
     p = probe.watch(model, logdir=sys.argv[1], sinks=[Stuck()], close_timeout=120)
     for x in xs:
