@@ -375,3 +375,32 @@ def test_the_example_runs(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "largest over the run" in out and "steps clipped per head" in out
     assert probe.Summary.load(str(tmp_path / "clipped")).metrics("blocks.0.attn")[0] == "qk_clip_logit"
+
+
+def test_tensorboard_has_what_the_clip_did_per_head_and_over_heads(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model, x = _model_and_batch(7)
+    s = _max_logits(model, x)
+    tau = _between(s)
+    with probe.qk_clip(model, tau, logdir=str(tmp_path), per_head=True):
+        model(x).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.0).step()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+
+    def read(metric, head=None):
+        tag = f"probe.{metric}@actual/root" + ("" if head is None else f"/head{head:02d}")
+        (point,) = events.Scalars(tag)
+        assert point.step == 0
+        return point.value
+
+    factor = (tau / s).clamp(max=1.0)
+    for h in range(len(s)):
+        assert read("qk_clip_logit", h) == pytest.approx(float(s[h]), rel=1e-5)
+        assert read("qk_clip_factor", h) == pytest.approx(float(factor[h]), rel=1e-5)
+        assert read("qk_clip_steps", h) == float(s[h] > tau)
+    # over heads: the largest S, the smallest factor, the clipped heads counted
+    assert read("qk_clip_logit") == pytest.approx(float(s.max()), rel=1e-5)
+    assert read("qk_clip_factor") == pytest.approx(float(factor.min()), rel=1e-5)
+    assert read("qk_clip_steps") == float((s > tau).sum())
