@@ -56,23 +56,7 @@ PACKAGES = {"capture", "ci", "cli", "experiment", "integrations", "session", "si
 PENDING_CYCLES: Set[frozenset] = set()
 PENDING_SIZES: Set[str] = set()
 #: Private names used across modules (``module -> name``), to be made public or moved by their owners.
-PENDING_PRIVATE: Set[str] = {
-    "probe.capture.provenance -> probe.capture.provenance_rules._ADDMM",
-    "probe.capture.provenance -> probe.capture.provenance_rules._Entry",
-    "probe.capture.provenance -> probe.capture.provenance_rules._META",
-    "probe.capture.provenance -> probe.capture.provenance_rules._MUL",
-    "probe.capture.provenance -> probe.capture.provenance_rules._NORMS",
-    "probe.capture.provenance -> probe.capture.provenance_rules._NOT_MODELLED",
-    "probe.capture.provenance -> probe.capture.provenance_rules._PRODUCTS",
-    "probe.capture.provenance -> probe.capture.provenance_rules._Source",
-    "probe.capture.provenance -> probe.capture.provenance_rules._Use",
-    "probe.capture.provenance -> probe.capture.provenance_rules._name",
-    "probe.capture.provenance -> probe.capture.provenance_rules._storage_key",
-    "probe.capture.provenance -> probe.capture.provenance_rules._through",
-    "probe.ci.thresholds -> probe.ci.expressions._OPS",
-    "probe.cli.main -> probe.session.coverage._cmd_coverage",
-    "probe.experiment.compare -> probe.experiment.scaling._parse_spec",
-}
+PENDING_PRIVATE: Set[str] = set()
 
 
 def _module_name(path: Path) -> str:

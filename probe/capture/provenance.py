@@ -48,8 +48,8 @@ from torch.utils._pytree import tree_flatten
 from probe.call import AttentionCall
 from probe.capture.provenance_mha import mha_site
 from probe.capture.provenance_rules import (
-    _ADDMM, _MUL, _META, _NORMS, _NOT_MODELLED, _PRODUCTS, Rules, _Entry, _Source, _Use, _name, _storage_key,
-    _through,
+    ADDMM, MUL, META, NORMS, NOT_MODELLED, PRODUCTS, Rules, Entry, Source, Use, op_name, storage_key,
+    through,
 )
 
 __all__ = ["Pending", "Refusal", "Rows", "SiteProvenance", "Trace"]
@@ -119,8 +119,8 @@ class Pending:
     """A site resolved during the forward, to be confirmed by :meth:`Trace.finish` once it ended
     (a later op may still read its rows, or use its weights again)."""
 
-    q: _Source
-    k: _Source
+    q: Source
+    k: Source
     q_of: Tensor
     k_of: Tensor
     path: str
@@ -145,10 +145,10 @@ class Trace(Rules, TorchFunctionMode):
         super().__init__()
         self._root = root
         self._names = names
-        self._entries: Dict[Tuple[int, str, int], _Entry] = {}
+        self._entries: Dict[Tuple[int, str, int], Entry] = {}
         self._deps: Dict[Tuple[int, str, int], Tuple[StorageWeakRef, FrozenSet[int]]] = {}
         self._why: Dict[Tuple[int, str, int], Tuple[StorageWeakRef, str]] = {}
-        self._sources: List[_Source] = []
+        self._sources: List[Source] = []
         self._param_uses: Dict[int, int] = {}
         self._owners: Dict[int, List[Tuple[nn.Module, str]]] = {}
         self._shared: Set[int] = set()
@@ -182,17 +182,17 @@ class Trace(Rules, TorchFunctionMode):
         return owners[0] if owners else None
 
     # -- storage tables -------------------------------------------------------------------------
-    def _entry(self, t: Any) -> Optional[_Entry]:
+    def _entry(self, t: Any) -> Optional[Entry]:
         if not isinstance(t, Tensor):
             return None
-        key = _storage_key(t)
+        key = storage_key(t)
         entry = None if key is None else self._entries.get(key)
         if entry is None or entry.ref.expired() or entry.itemsize != t.element_size() or entry.version != t._version:
             return None
         return entry
 
     def _lookup(self, table: Dict[Tuple[int, str, int], Any], t: Tensor) -> Any:
-        key = _storage_key(t)
+        key = storage_key(t)
         found = None if key is None else table.get(key)
         return None if found is None or found[0].expired() else found[1]
 
@@ -204,17 +204,17 @@ class Trace(Rules, TorchFunctionMode):
         return self._lookup(self._why, t)
 
     def _mark(self, table: Dict[Tuple[int, str, int], Any], t: Tensor, value: Any) -> None:
-        key = _storage_key(t)
+        key = storage_key(t)
         if key is not None:
             table[key] = (StorageWeakRef(t.untyped_storage()), value)
 
-    def _put(self, t: Tensor, source: _Source, shadow: Optional[Tensor], mult: FrozenSet[int],
+    def _put(self, t: Tensor, source: Source, shadow: Optional[Tensor], mult: FrozenSet[int],
              ops: Tuple[str, ...], modulus: int = 0) -> None:
         """Trace the fresh storage of ``t``: per element ``shadow`` (``t``'s shape), or ``modulus``."""
-        key = _storage_key(t)
+        key = storage_key(t)
         if key is None or any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
             return
-        entry = _Entry(StorageWeakRef(t.untyped_storage()), t.element_size(), t._version, source, mult=mult,
+        entry = Entry(StorageWeakRef(t.untyped_storage()), t.element_size(), t._version, source, mult=mult,
                        ops=tuple(dict.fromkeys(ops))[-12:])
         if modulus:
             entry.modulus = modulus
@@ -227,7 +227,7 @@ class Trace(Rules, TorchFunctionMode):
         self._why.pop(key, None)
 
     def _poison(self, t: Tensor, why: str) -> None:
-        key = _storage_key(t)
+        key = storage_key(t)
         if key is not None:
             self._entries.pop(key, None)
             self._mark(self._why, t, why)
@@ -249,26 +249,26 @@ class Trace(Rules, TorchFunctionMode):
         seen = [(t, e, t._version) for t in tensors for e in (self._entry(t),) if e is not None]
         deps = frozenset().union(*(self._dep(t) for t in tensors)) if tensors else frozenset()
         out = func(*args, **kwargs)
-        if not seen and not deps and not (func is F.linear or func in _ADDMM or func in _PRODUCTS or func in _NORMS
-                                          or func in _MUL):
+        if not seen and not deps and not (func is F.linear or func in ADDMM or func in PRODUCTS or func in NORMS
+                                          or func in MUL):
             return out
         try:
             with torch._C.DisableTorchFunction():  # the shadows' ops go to no mode below (the capture's)
                 self._after(func, args, kwargs, out, tensors, seen, deps)
         except Exception as err:  # noqa: BLE001 - bookkeeping never breaks the model; its sites are refused
-            self.errors.append(f"{_name(func)}: {type(err).__name__}: {err}")
+            self.errors.append(f"{op_name(func)}: {type(err).__name__}: {err}")
             for t, _, _ in seen:
-                self._poison(t, f"probe could not follow {_name(func)} ({type(err).__name__}: {err})")
+                self._poison(t, f"probe could not follow {op_name(func)} ({type(err).__name__}: {err})")
         self._ops += 1
         if self._ops % 4096 == 0:
             self._sweep()
         return out
 
     def _after(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any, tensors: List[Tensor],
-               seen: List[Tuple[Tensor, _Entry, int]], deps: FrozenSet[int]) -> None:
-        name = _name(func)
+               seen: List[Tuple[Tensor, Entry, int]], deps: FrozenSet[int]) -> None:
+        name = op_name(func)
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, Tensor)]
-        if not outs and name in _META:
+        if not outs and name in META:
             return
         changed = [(t, e) for t, e, v in seen if t._version != v]
         if changed:
@@ -284,8 +284,8 @@ class Trace(Rules, TorchFunctionMode):
         if source is not None:
             self._use(seen, name)  # a projection of a traced tensor reads it
             return
-        mine = {_storage_key(t) for t, _, _ in seen}
-        fresh = [o for o in outs if _storage_key(o) not in mine]
+        mine = {storage_key(t) for t, _, _ in seen}
+        fresh = [o for o in outs if storage_key(o) not in mine]
         if not seen:  # an untraced result of untraced tensors: keep the first reason given
             why = next((w for w in (self.why(t) for t in tensors) if w is not None), None)
             if why is not None:
@@ -294,17 +294,17 @@ class Trace(Rules, TorchFunctionMode):
             return
         if not fresh:
             return  # views of traced storages read their shadows at their own strides
-        why = self._copy(func, args, kwargs, fresh[0], seen) if len(outs) == 1 else _NOT_MODELLED.format(op=name)
+        why = self._copy(func, args, kwargs, fresh[0], seen) if len(outs) == 1 else NOT_MODELLED.format(op=name)
         if why is None:
             return
         self._use(seen, name)
         for o in fresh:
             self._mark(self._why, o, why)
 
-    def _use(self, seen: List[Tuple[Tensor, _Entry, int]], name: str) -> None:
+    def _use(self, seen: List[Tuple[Tensor, Entry, int]], name: str) -> None:
         event = next(self._events)
         for t, entry, _ in seen:
-            entry.source.uses.append(_Use(event, name, entry.modulus, entry.dense,
+            entry.source.uses.append(Use(event, name, entry.modulus, entry.dense,
                                           (tuple(t.shape), t.stride(), t.storage_offset())))
 
     # -- answers --------------------------------------------------------------------------------
@@ -343,7 +343,7 @@ class Trace(Rules, TorchFunctionMode):
         path = f"q: {' -> '.join(eq.ops)}; k: {' -> '.join(ek.ops)}"
         return Pending(eq.source, ek.source, q_of, k_of, path, kv_of)
 
-    def _shadow(self, role: str, t: Tensor, call: AttentionCall) -> Union[Tuple[_Entry, Tensor], Refusal]:
+    def _shadow(self, role: str, t: Tensor, call: AttentionCall) -> Union[Tuple[Entry, Tensor], Refusal]:
         """The entry and features of the recorded ``t``: read at its strides when it is a view of a
         traced storage; else, when the front end recorded a tensor of its own (q with its factor
         taken out, a repeated k collapsed, heads unfolded from the batch), through
@@ -354,7 +354,7 @@ class Trace(Rules, TorchFunctionMode):
         own = (call.grad_of or {}).get(role)
         if own is not None and self._entry(own[0]) is not None:
             base = self._entry(own[0])
-            mapped = _through(own[1], base.shadow(own[0]), tuple(t.shape))
+            mapped = through(own[1], base.shadow(own[0]), tuple(t.shape))
             if mapped is not None:
                 return base, mapped
         why = self.why(t) or (self.why(own[0]) if own is not None else None)
@@ -385,10 +385,10 @@ class Trace(Rules, TorchFunctionMode):
         return SiteProvenance(self._rows(pending.q, pending.q_of), self._rows(pending.k, pending.k_of), pending.path,
                               pending.kv_of)
 
-    def _rows(self, source: _Source, head_of: Tensor) -> Rows:
+    def _rows(self, source: Source, head_of: Tensor) -> Rows:
         return Rows(source.module, source.name, source.weight, source.bias, source.layout, source.features, head_of)
 
-    def _heads(self, role: str, shadow: Tensor, entry: _Entry) -> Union[Tuple[Tensor, Tensor], Refusal]:
+    def _heads(self, role: str, shadow: Tensor, entry: Entry) -> Union[Tuple[Tensor, Tensor], Refusal]:
         """For the features ``shadow`` of a ``(B, H, n, d)`` record: the head of each source feature
         (-1: none), closed over the features mixed with them (rotary pairs), and the head of each
         record head. Record k heads reading the very same features are one kv head (a k repeated

@@ -14,7 +14,7 @@ applies one intercepted op to the shadows (the trace supplies the tables: ``_ent
 * in place: a scale keeps the shadow, ``copy_`` / ``t[idx] = v`` write the value's shadow into
   the region, anything else poisons the storage.
 
-Anything else reading a traced tensor is a *use* (:class:`_Use`) and its result is not traced.
+Anything else reading a traced tensor is a *use* (:class:`Use`) and its result is not traced.
 """
 
 from __future__ import annotations
@@ -50,24 +50,24 @@ _MOVE = ops.funcs_of(ops.VIEW, ops.TRANSPOSE, ops.PERMUTE, ops.EXPAND, ops.INDEX
     | _funcs("flip roll index_select", torch.flip, torch.roll, torch.index_select)
 #: Copies of several tensors along a dim: every tensor of the first argument is data.
 _JOIN = ops.funcs_of(ops.JOIN)
-_MUL = ops.funcs_of(ops.MUL)
+MUL = ops.funcs_of(ops.MUL)
 _DIV = ops.funcs_of(ops.DIV)
 _ADD = ops.funcs_of(ops.ADD)
 _SUB = ops.funcs_of(ops.SUB)
 _SCALE_INPLACE = ops.funcs_of(ops.MUL, ops.DIV, ops.NEG)  # only where the op changed its input in place
 _ASSIGN = ops.funcs_of(ops.SETITEM, ops.COPY)
-_PRODUCTS = ops.funcs_of(ops.PRODUCT) | _funcs("mm", torch.mm)
-_ADDMM = _funcs("addmm", torch.addmm)
-_NORMS = frozenset(f for f in (F.layer_norm, getattr(F, "rms_norm", None)) if f is not None)
+PRODUCTS = ops.funcs_of(ops.PRODUCT) | _funcs("mm", torch.mm)
+ADDMM = _funcs("addmm", torch.addmm)
+NORMS = frozenset(f for f in (F.layer_norm, getattr(F, "rms_norm", None)) if f is not None)
 #: Functions that read metadata only (shape, strides, dtype): not a use of the values.
-_META = frozenset({"__get__", "size", "dim", "stride", "storage_offset", "numel", "is_contiguous", "data_ptr",
+META = frozenset({"__get__", "size", "dim", "stride", "storage_offset", "numel", "is_contiguous", "data_ptr",
                    "untyped_storage", "element_size", "__len__", "is_floating_point", "is_complex", "nelement",
                    "ndimension", "get_device", "is_inference", "requires_grad_", "retain_grad", "register_hook"})
 
 
 # -- what the trace keeps --------------------------------------------------------------------------------
 @dataclasses.dataclass(eq=False)
-class _Source:
+class Source:
     id: int
     module: "weakref.ref[nn.Module]"
     name: str
@@ -77,17 +77,17 @@ class _Source:
     features: int
     param: int  # id() of the weight
     pairs: List[Tensor] = dataclasses.field(default_factory=list)  # (n, 2) features mixed by an add
-    uses: List["_Use"] = dataclasses.field(default_factory=list)
+    uses: List["Use"] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(eq=False)
-class _Entry:
+class Entry:
     """A traced storage: per storage element, the source feature it is a multiple of (-1: none)."""
 
     ref: StorageWeakRef
     itemsize: int
     version: int
-    source: _Source
+    source: Source
     modulus: int = 0  # shadow(o) = o % modulus (a fresh contiguous projection output), else `dense`
     dense: Optional[Tensor] = None
     mult: FrozenSet[int] = frozenset()  # sources the multipliers on the way depended on
@@ -108,7 +108,7 @@ class _Entry:
 
 
 @dataclasses.dataclass(eq=False)
-class _Use:
+class Use:
     """One op reading a traced tensor (not a rule the trace follows): which features it read."""
 
     event: int
@@ -137,7 +137,7 @@ def _modular(shape: Tuple[int, ...], stride: Tuple[int, ...], offset: int, modul
 
 
 
-def _storage_key(t: Tensor) -> Optional[Tuple[int, str, int]]:
+def storage_key(t: Tensor) -> Optional[Tuple[int, str, int]]:
     """A storage as read by ``t``: its memory and the size of an element (a complex view of a
     float storage has shadows of its own, one per complex element)."""
     try:
@@ -147,11 +147,11 @@ def _storage_key(t: Tensor) -> Optional[Tuple[int, str, int]]:
     return (ptr, str(t.device), t.element_size()) if ptr else None
 
 
-def _name(func: Any) -> str:
+def op_name(func: Any) -> str:
     return getattr(func, "__name__", type(func).__name__)
 
 
-_NOT_MODELLED = "{op} is not modelled (only projections, shape, dtype, scalar and rotary ops are)"
+NOT_MODELLED = "{op} is not modelled (only projections, shape, dtype, scalar and rotary ops are)"
 
 
 
@@ -159,7 +159,7 @@ class Rules:
     """The op rules of a :class:`~probe.capture.provenance.Trace` (a mixin; see the module docstring)."""
 
     # -- sources --------------------------------------------------------------------------------
-    def _new_source(self, owner: Tuple[nn.Module, str], bias: Any, layout: str, features: int) -> Optional[_Source]:
+    def _new_source(self, owner: Tuple[nn.Module, str], bias: Any, layout: str, features: int) -> Optional[Source]:
         module, attr = owner
         bias_attr = None
         if bias is not None:
@@ -168,14 +168,14 @@ class Rules:
                 return None  # a bias that is not the module's own parameter: not scaled with the rows
             bias_attr = found[1]
         weight = module._parameters[attr]
-        source = _Source(len(self._sources), weakref.ref(module), self._names.get(id(module), type(module).__name__),
+        source = Source(len(self._sources), weakref.ref(module), self._names.get(id(module), type(module).__name__),
                          attr, bias_attr, layout, features, id(weight))
         self._sources.append(source)
         for p in (x for x in (weight, bias) if x is not None):
             self._param_uses[id(p)] = self._param_uses.get(id(p), 0) + 1
         return source
 
-    def _source(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> Optional[_Source]:
+    def _source(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> Optional[Source]:
         """Trace ``out`` as a new source's output when ``func`` is a projection or a gain."""
         if not isinstance(out, Tensor) or not out.is_floating_point():
             return None
@@ -187,10 +187,10 @@ class Rules:
                 return None
             source = self._new_source(owner, a[2] if len(a) > 2 else kwargs.get("bias"), "rows", weight.shape[0])
             return self._projection(source, out, "linear")
-        if func in _ADDMM or func in _PRODUCTS:
-            if len(a) < (3 if func in _ADDMM else 2) or kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
+        if func in ADDMM or func in PRODUCTS:
+            if len(a) < (3 if func in ADDMM else 2) or kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
                 return None
-            x, mat = (a[1], a[2]) if func in _ADDMM else (a[0], a[1])
+            x, mat = (a[1], a[2]) if func in ADDMM else (a[0], a[1])
             if not isinstance(mat, Tensor) or mat.dim() != 2:
                 return None
             owner, layout = self._owner(mat), "cols"  # x @ W: GPT-2's Conv1D, column j makes feature j
@@ -202,16 +202,16 @@ class Rules:
                 owner, layout = self._owner(base), "rows"  # x @ W.t()
             if owner is None:
                 return None
-            source = self._new_source(owner, a[0] if func in _ADDMM else None, layout, mat.shape[1])
-            return self._projection(source, out, _name(func))
-        if func in _NORMS:
+            source = self._new_source(owner, a[0] if func in ADDMM else None, layout, mat.shape[1])
+            return self._projection(source, out, op_name(func))
+        if func in NORMS:
             weight = a[2] if len(a) > 2 else kwargs.get("weight")
             bias = (a[3] if len(a) > 3 else kwargs.get("bias")) if func is F.layer_norm else None
             owner = self._owner(weight)
             if owner is None:
                 return None
-            return self._gain(self._new_source(owner, bias, "gain", weight.numel()), weight, out, _name(func))
-        if func in _MUL and len(a) == 2:
+            return self._gain(self._new_source(owner, bias, "gain", weight.numel()), weight, out, op_name(func))
+        if func in MUL and len(a) == 2:
             params = [x for x in a if isinstance(x, nn.Parameter) and self._owner(x) is not None]
             other = [x for x in a if not any(x is p for p in params)]
             if len(params) != 1 or len(other) != 1 or not isinstance(other[0], Tensor) or self._entry(other[0]):
@@ -220,7 +220,7 @@ class Rules:
                               out, "gain")
         return None
 
-    def _projection(self, source: Optional[_Source], out: Tensor, op: str) -> Optional[_Source]:
+    def _projection(self, source: Optional[Source], out: Tensor, op: str) -> Optional[Source]:
         if source is None:
             return None
         if out.is_contiguous() and out.storage_offset() == 0 and out.shape[-1] == source.features:
@@ -231,7 +231,7 @@ class Rules:
             self._put(out, source, torch.arange(source.features).view(shape).expand(out.shape), frozenset(), (op,))
         return source
 
-    def _gain(self, source: Optional[_Source], weight: Tensor, out: Tensor, op: str) -> Optional[_Source]:
+    def _gain(self, source: Optional[Source], weight: Tensor, out: Tensor, op: str) -> Optional[Source]:
         if source is None:
             return None
         try:
@@ -243,9 +243,9 @@ class Rules:
 
     # -- copies ---------------------------------------------------------------------------------
     def _copy(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Tensor,
-              seen: List[Tuple[Tensor, _Entry, int]]) -> Optional[str]:
+              seen: List[Tuple[Tensor, Entry, int]]) -> Optional[str]:
         """Trace a fresh output that a rule describes; else the reason it is not traced (a use)."""
-        name = _name(func)
+        name = op_name(func)
         sources = {id(e.source) for _, e, _ in seen}
         if len(sources) != 1:
             return f"{name} combines the outputs of {len(sources)} projections (an adapter such as LoRA?)"
@@ -273,13 +273,13 @@ class Rules:
             if isinstance(shadow, Tensor) and shadow.shape == out.shape:
                 self._put(out, source, shadow, mult, ops + (name,))
                 return None
-            return _NOT_MODELLED.format(op=name)
+            return NOT_MODELLED.format(op=name)
         if func in _JOIN and isinstance(first, (list, tuple)):
             parts = [self._entry(t).shadow(t) if self._entry(t) is not None
                      else torch.full(t.shape, -1, dtype=torch.long) for t in first]
             self._put(out, source, func(parts, *args[1:], **kwargs), mult, ops + (name,))
             return None
-        if func in _MUL or func in _DIV:
+        if func in MUL or func in _DIV:
             traced = [x for x in args if self._entry(x) is not None]
             if len(args) != 2 or len(traced) != 1 or kwargs.get("rounding_mode") is not None \
                     or (func in _DIV and traced[0] is not args[0]):
@@ -301,12 +301,12 @@ class Rules:
             source.pairs.append(torch.unique(pairs[(pairs >= 0).all(1)], dim=0))
             self._put(out, source, torch.where((a >= 0) & (b >= 0), a, -1), mult, ops + (name,))
             return None
-        return _NOT_MODELLED.format(op=name)
+        return NOT_MODELLED.format(op=name)
 
     # -- in place -------------------------------------------------------------------------------
-    def _in_place(self, func: Any, args: Tuple[Any, ...], changed: List[Tuple[Tensor, _Entry]],
+    def _in_place(self, func: Any, args: Tuple[Any, ...], changed: List[Tuple[Tensor, Entry]],
                   tensors: List[Tensor], deps: FrozenSet[int]) -> None:
-        name = _name(func)
+        name = op_name(func)
         target = args[0] if args else None
         for t, entry in changed:
             other = args[1] if len(args) > 1 else None
@@ -337,7 +337,7 @@ class Rules:
             self._mark(self._deps, t, self._dep(t) | deps)
 
 
-def _through(fn: Any, shadow: Tensor, shape: Tuple[int, ...]) -> Optional[Tensor]:
+def through(fn: Any, shadow: Tensor, shape: Tuple[int, ...]) -> Optional[Tensor]:
     """The features of a record made from a traced tensor by a linear map ``fn`` (a reshape, a
     permutation, a factor, a sum over repeated copies: the gradient map of ``AttentionCall.grad_of``),
     or ``None`` when an element of the record is not a multiple of one feature. Exact: with

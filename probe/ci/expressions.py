@@ -22,7 +22,7 @@ __all__ = ["DEFAULT_THRESHOLDS", "SCALE_NAME", "Threshold", "ThresholdLike", "as
 #: Megatron-LM) and no NaN/Inf among the logits or probabilities.
 DEFAULT_THRESHOLDS: Tuple[str, ...] = ("logit_max < 100", "nonfinite <= 0")
 
-_OPS: Dict[str, Callable[[float, float], bool]] = {
+OPS: Dict[str, Callable[[float, float], bool]] = {
     "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
 }
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -50,7 +50,7 @@ class Threshold:
 
     def holds(self, value: float) -> bool:
         """``value OP limit``; False for NaN (comparisons with NaN are all false)."""
-        return _OPS[self.op](value, self.limit)
+        return OPS[self.op](value, self.limit)
 
     def __str__(self) -> str:
         return self.text or (

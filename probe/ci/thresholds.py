@@ -33,7 +33,7 @@ from probe.files import read_regular_file
 from probe.names import printable
 from probe.summary import Summary, format_estimate, json_number
 from probe.ci.expressions import DEFAULT_THRESHOLDS, Threshold, ThresholdLike, as_thresholds, parse_threshold
-from probe.ci.expressions import _OPS
+from probe.ci.expressions import OPS
 
 __all__ = [
     "CONFIG_FILES",
@@ -96,7 +96,7 @@ class Violation:
 
     @property
     def ok(self) -> bool:
-        return _OPS[self.op](self.value, self.limit)
+        return OPS[self.op](self.value, self.limit)
 
     def to_dict(self) -> Dict[str, object]:
         """Strict JSON, encoded as in ``probe_summary.json``: NaN is ``null``, ±inf ``"inf"`` /

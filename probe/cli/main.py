@@ -21,8 +21,8 @@ from probe.ci.exit_codes import ExitCode
 __all__ = ["ExitCode", "build_parser", "main"]
 
 
-def _cmd_coverage(args: argparse.Namespace) -> int:
-    from probe.session.coverage import _cmd_coverage as run
+def cmd_coverage(args: argparse.Namespace) -> int:
+    from probe.session.coverage import cmd_coverage as run
 
     return int(run(args))
 
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a function returning (model, args) or (model, args, kwargs): example inputs for one forward")
     cmd.add_argument("--no-backward", action="store_true", help="skip the backward (no gradient metrics listed)")
     cmd.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    cmd.set_defaults(func=_cmd_coverage, needs_torch=True)  # the command itself: probe.session.coverage
+    cmd.set_defaults(func=cmd_coverage, needs_torch=True)  # the command itself: probe.session.coverage
     return parser
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from probe.errors import ProbeError
-from probe.experiment.scaling import ScaleSpec, SitesFilter, _parse_spec, modules_by_site, scaling
+from probe.experiment.scaling import ScaleSpec, SitesFilter, parse_spec, modules_by_site, scaling
 from probe.session.profiler import watch
 from probe.summary import Summary
 
@@ -59,7 +59,7 @@ def _specs(scales: Union[Sequence[ScaleSpec], Mapping[str, ScaleSpec]]) -> List[
     if len(set(labels)) != len(labels):
         raise ProbeError(f"expected distinct labels in `scales`, got {labels}")
     for label, spec in items:
-        _parse_spec(spec, f"scales[{label!r}]")
+        parse_spec(spec, f"scales[{label!r}]")
     return items
 
 

@@ -66,7 +66,7 @@ def modules_by_site(root: nn.Module) -> Dict[str, nn.Module]:
 
 
 # -- probe.scaling -----------------------------------------------------------------------------
-def _parse_spec(value: Any, what: str) -> Union[None, str, float, Tensor]:
+def parse_spec(value: Any, what: str) -> Union[None, str, float, Tensor]:
     """Validate one scale: ``None`` for "actual", "standard", a float >= 0, or a float64 tensor."""
     expected = ("'unscaled', 'standard', 'actual', a finite float >= 0 or a 1-D tensor of "
                 "per-head scales")
@@ -105,10 +105,10 @@ class Scaling:
             for pattern, value in scale.items():
                 if not isinstance(pattern, str) or not pattern:
                     raise ProbeError(f"expected the keys of `scale` to be site names or globs, got {pattern!r}")
-                self._rules.append((pattern, _parse_spec(value, f"scale[{pattern!r}]")))
+                self._rules.append((pattern, parse_spec(value, f"scale[{pattern!r}]")))
             self._site_ok: Optional[Callable[[str], bool]] = None
         else:
-            self._default = _parse_spec(scale, "scale")
+            self._default = parse_spec(scale, "scale")
             self._site_ok = site_filter(sites)
         self._is_dict = isinstance(scale, Mapping)
         self._sites_arg = sites

@@ -276,7 +276,7 @@ def _load(spec: str) -> Tuple[nn.Module, tuple, dict]:
     return model, args, kwargs
 
 
-def _cmd_coverage(args: Any) -> int:
+def cmd_coverage(args: Any) -> int:
     import json
     import sys
 
