@@ -51,9 +51,11 @@ class ProbeCallback(SessionCallback, TrainerCallback):
         **watch_options: passed to :func:`probe.watch` (``grads``, ``sites``, ``scales``,
             ``per_head``, ``rows``, ``sinks``, ...).
 
-    What is recorded: the attention of every forward of the model (the Trainer calls it for each
-    micro-batch), forward and backward, from ``on_step_begin`` to ``on_step_end`` of a sampled
-    step; evaluation, prediction and saving run outside and are never recorded.
+    What is recorded: every attention call that runs from ``on_step_begin`` to ``on_step_end`` of
+    a sampled step (a recording window, ``Probe.step(n, window=True)``), forward and backward, all
+    micro-batches: the model's forward, or whatever parts of the model a custom ``compute_loss``
+    calls; sites are named by the model's attributes. Evaluation, prediction and saving run
+    outside and are never recorded.
 
     Only the main process writes and judges; under DDP the statistics of all ranks are reduced
     as :func:`probe.watch` does and a stop is agreed by every rank. The probe closes when training
@@ -67,6 +69,7 @@ class ProbeCallback(SessionCallback, TrainerCallback):
     """
 
     first_step = 1  # the Trainer logs the first optimizer step at global_step 1
+    window = True  # compute_loss may call any part of the model: record the whole optimizer step
 
     # -- Trainer events -----------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -151,20 +153,37 @@ def test_bad_options_fail_at_construction(kwargs, match) -> None:
         ProbeCallback(**kwargs)
 
 
-def test_a_compute_loss_that_bypasses_the_models_forward_is_a_warning(tmp_path) -> None:
+def test_a_compute_loss_that_calls_the_models_parts_is_recorded_as_its_forward_would_be(tmp_path) -> None:
+    # compute_loss calls model.bert and model.classifier itself (the model's forward never runs):
+    # the callback records the whole optimizer step, so the run reads exactly as the default one
+    # (same seed, same dropout draws: the parts are called as BertForSequenceClassification.forward
+    # calls them).
     class PartsTrainer(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            hidden = model.bert(input_ids=inputs["input_ids"]).pooler_output
+            hidden = model.dropout(model.bert(input_ids=inputs["input_ids"]).pooler_output)
             loss = torch.nn.functional.cross_entropy(model.classifier(hidden), inputs["labels"])
             return (loss, None) if return_outputs else loss
 
-    cb = ProbeCallback(grads=False)
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, report_to="none",
-                             save_strategy="no", use_cpu=True, disable_tqdm=True)
-    trainer = PartsTrainer(model=tiny_bert(), args=args, train_dataset=Data(), callbacks=[cb])
-    with pytest.warns(UserWarning, match="probe: step 1 was sampled") as caught:
-        trainer.train()
-    messages = [str(w.message) for w in caught if str(w.message).startswith("probe:")]
-    assert len(messages) == 1, messages
-    assert "the forward of the watched module (BertForSequenceClassification) never ran" in messages[0]
-    assert "ran directly instead: bert, classifier" in messages[0]
+    summaries = []
+    for trainer_class in (Trainer, PartsTrainer):
+        cb = ProbeCallback()
+        args = TrainingArguments(output_dir=str(tmp_path / trainer_class.__name__), per_device_train_batch_size=2,
+                                 max_steps=3, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+                                 seed=0)
+        trainer = trainer_class(model=tiny_bert(), args=args, train_dataset=Data(), callbacks=[cb])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+        assert not [str(w.message) for w in caught if str(w.message).startswith("probe:")]
+        summaries.append(cb.probe.summary())
+    default, parts = summaries
+    assert parts.sites == default.sites == [f"bert.encoder.layer.{i}.attention.self" for i in range(2)]
+    assert parts.steps == default.steps == 3
+    for site in default.sites:
+        assert parts.metrics(site) == default.metrics(site)
+        assert {"grad_logits", "grad_q", "grad_k", "grad_v"} <= set(parts.metrics(site))
+        for metric in default.metrics(site):
+            assert parts.scales(site, metric) == default.scales(site, metric)
+            for scale in default.scales(site, metric):
+                np.testing.assert_allclose(parts.value(site, metric, scale), default.value(site, metric, scale),
+                                           rtol=1e-6, atol=1e-9)
