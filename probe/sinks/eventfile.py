@@ -171,14 +171,18 @@ class EventFile:
                 raise OSError("short write to the TensorBoard event file")
             view = view[written:]
 
-    def _cut_back(self) -> None:
-        """After a failed write: the file back to its whole flushes, or a new file next time."""
+    def _close_file(self) -> None:
+        """Close the open file, if any, ignoring a failure (what it holds is kept or cut back)."""
         file, self._file = self._file, None
         if file is not None:
             try:
                 file.close()
             except OSError:
                 pass
+
+    def _cut_back(self) -> None:
+        """After a failed write: the file back to its whole flushes, or a new file next time."""
+        self._close_file()
         if self.path is None:
             return
         if self._size == 0:  # not even the header: no file
@@ -200,10 +204,5 @@ class EventFile:
 
     def restart(self) -> None:
         """Start a new event file at the next flush (the records pending are kept)."""
-        file, self._file = self._file, None
-        if file is not None:
-            try:
-                file.close()
-            except OSError:
-                pass
+        self._close_file()
         self.path = None
