@@ -96,6 +96,9 @@ class Outputs:
             if self.logdir is not None:
                 # Before waiting on the sinks: a slow sink or a second Ctrl-C cannot cost the summary.
                 self.writer.save(self.summary(), final=True)
+        except Exception:
+            self.writer.close(timeout)  # the sinks still get their bounded wait
+            raise
         except BaseException:
             # Ctrl-C (or SystemExit) before the sinks' wait: leave at once, as the user asked, and
             # never with a summary file older than the statistics if it can be written in time.
