@@ -59,6 +59,16 @@ PENDING_SIZES: Set[str] = set()
 PENDING_PRIVATE: Set[str] = set()
 
 
+def _from_base(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a ``from ... import`` reads from (relative imports resolved in ``package``)."""
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")
+        anchor = anchor[: len(anchor) - (node.level - 1)]
+        base = ".".join(anchor + ([base] if base else []))
+    return base
+
+
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -99,11 +109,7 @@ def _imports(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
             targets = [alias.name for alias in node.names]
         else:
             assert isinstance(node, ast.ImportFrom)
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join(anchor + ([base] if base else []))
+            base = _from_base(node, package)
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
         out.update(t for t in targets if t == "probe" or t.startswith("probe."))
     out.discard(name)
@@ -129,11 +135,7 @@ def _private_uses(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
                     aliases[alias.asname] = alias.name
             continue
         assert isinstance(node, ast.ImportFrom)
-        base = node.module or ""
-        if node.level:
-            anchor = package.split(".")
-            anchor = anchor[: len(anchor) - (node.level - 1)]
-            base = ".".join(anchor + ([base] if base else []))
+        base = _from_base(node, package)
         if not (base == "probe" or base.startswith("probe.")):
             continue
         for alias in node.names:
