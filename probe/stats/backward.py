@@ -31,9 +31,10 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall, Scale
+from probe.stats.buffers import call_scratch, release
 from probe.stats.chunks import DPSource, accumulation_dtype, kv_view, minmax
 from probe.stats.paths import general, logits, shifted
-from probe.stats.plan import CallPlan, plan_call
+from probe.stats.plan import CallPlan, backward_step, plan_call
 from probe.stats.reduce import grad_totals
 
 __all__ = ["BACKWARD_METRICS", "BACKWARD_PATH", "grad_logits_stats", "grad_scale", "head_sq"]
@@ -151,23 +152,29 @@ def grad_logits_stats(
     if not plan.names:
         return {}
     batch, heads, length, keys = call.q.shape[0], call.q.shape[1], plan.length, plan.keys
-    if grad_probs is not None:
-        dprobs = grad_probs.reshape(batch, heads, length, keys)
-        gs = grad_scale(dprobs)  # dP scaled to at most 2: no float32 overflow in the squares
-        dp = DPSource(gs, dprobs=dprobs)
-    elif grad_output is not None and call.v is not None:
-        # (B, Hk, dv, S) over a contiguous float32 v: one copy at most (a half-precision
-        # transposed v was copied twice, to float32 and then to contiguous), none for a large
-        # transposed float32 v (read in place, chunks.kv_product)
-        vt, strided = kv_view(call.v)
-        dout = grad_output.reshape(batch, heads, length, grad_output.shape[-1])
-        gs = grad_scale(dout)  # as above, applied to each chunk of dout rows
-        dp = DPSource(gs, dout=dout, vt=vt, strided=strided)
-    else:
-        return {}
     if plan.path == "logits" and call.logits is None:
         return {}  # the call's own logits were asked for but it has none
-    per_row = PATH_MODULES[BACKWARD_PATH[plan.path]].grad_rows(call, plan, dp)
+    if grad_probs is None and (grad_output is None or call.v is None):
+        return {}
+    # the chunks' buffers and v's copy (probe.stats.buffers: on some paths the thread's previous call's)
+    scratch = call_scratch(BACKWARD_PATH[plan.path], batch * heads * backward_step(call, plan) * keys, call.q.device)
+    try:
+        if grad_probs is not None:
+            dprobs = grad_probs.reshape(batch, heads, length, keys)
+            gs = grad_scale(dprobs)  # dP scaled to at most 2: no float32 overflow in the squares
+            dp = DPSource(gs, dprobs=dprobs)
+        else:
+            assert grad_output is not None and call.v is not None
+            # (B, Hk, dv, S) over a contiguous float32 v: one copy at most (a half-precision
+            # transposed v was copied twice, to float32 and then to contiguous), none for a large
+            # transposed float32 v (read in place, chunks.kv_product)
+            vt, strided = kv_view(call.v, scratch, "vt")
+            dout = grad_output.reshape(batch, heads, length, grad_output.shape[-1])
+            gs = grad_scale(dout)  # as above, applied to each chunk of dout rows
+            dp = DPSource(gs, dout=dout, vt=vt, strided=strided)
+        per_row = PATH_MODULES[BACKWARD_PATH[plan.path]].grad_rows(call, plan, dp, scratch)
+    finally:
+        release(scratch)
     sums, variances = grad_totals(per_row, plan.acc, plan.design)
     unscale = gs.to(plan.acc).square()
     out: Dict[str, Tensor] = {}

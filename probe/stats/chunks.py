@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall
+from probe.stats.buffers import Scratch
 
 __all__ = ["MASK_BIAS", "accumulation_dtype", "all_finite", "as_4d", "cache_chunk_rows", "chunk_rows", "grouped_product",
            "kv_product", "kv_view", "minmax", "row_chunks", "storage_order", "DPSource"]
@@ -79,15 +80,20 @@ def minmax(t: Tensor) -> Tuple[Tensor, Tensor]:
 _KV_COPY_BYTES = 16 * 2**20
 
 
-def kv_view(t: Tensor) -> Tuple[Tensor, bool]:
+def kv_view(t: Tensor, scratch: Optional[Scratch] = None, name: str = "kt") -> Tuple[Tensor, bool]:
     """``(tᵀ, strided)``: ``t`` (k or v, ``(B, H_kv, S, d)``) transposed to ``(B, H_kv, d, S)``
     float32 for products, and whether it was left a strided view (see :func:`kv_product`).
     Contiguous float32: a view. A transposed float32 view larger than ``_KV_COPY_BYTES``: a view,
-    strided. Otherwise one contiguous float32 copy (a half-precision tensor is converted anyway)."""
+    strided. Otherwise one contiguous float32 copy (a half-precision tensor is converted anyway),
+    into ``scratch``'s buffer ``name`` when given (a fresh copy per call costs its page faults)."""
     if t.dtype == torch.float32 and t.stride(-1) == 1 and not t.is_contiguous() \
             and t.numel() * 4 > _KV_COPY_BYTES:
         return t.transpose(-1, -2), True
-    return t.float().contiguous().transpose(-1, -2), False
+    if t.dtype == torch.float32 and t.is_contiguous():
+        return t.transpose(-1, -2), False
+    if scratch is None:
+        return t.float().contiguous().transpose(-1, -2), False
+    return scratch.get(name, t.shape).copy_(t).transpose(-1, -2), False
 
 
 def kv_product(x: Tensor, kv_t: Tensor, strided: bool, out: Optional[Tensor] = None) -> Tensor:
@@ -172,10 +178,12 @@ def _chunk_mask(call: AttentionCall, r0: int, r1: int, pos: Optional[Tensor],
 
 
 def row_chunks(call: AttentionCall, step: int, positions: Optional[Tensor] = None, reuse: bool = False,
-          last: Optional[Sequence[int]] = None, causal_mask: bool = True
+          last: Optional[Sequence[int]] = None, causal_mask: bool = True, scratch: Optional[Scratch] = None
           ) -> Iterator[Tuple[Tensor, Optional[Tensor], Optional[Tensor]]]:
     """Chunks of ``(R, valid, bias)``; with ``reuse`` every ``R`` is a view of one buffer, valid
-    until the next chunk (a fresh large tensor per chunk costs page faults on CPUs).
+    until the next chunk (a fresh large tensor per chunk costs page faults on CPUs). ``scratch``
+    (:mod:`probe.stats.buffers`): that buffer (``"R"``) and k's copy (``"kt"``) come from it, kept
+    from the thread's previous call on CPUs.
 
     ``last``: the last query position of each chunk, from the host (``None``: do not trim). Under
     causal masking the keys after it are masked for every row of the chunk, so ``R`` only spans
@@ -193,12 +201,14 @@ def row_chunks(call: AttentionCall, step: int, positions: Optional[Tensor] = Non
     # Grouped-query attention: a chunk's q rows are laid out as (B, Hk, g·rows, d), so that one
     # batched product per kv head gives (B, Hk, g·rows, S), which is (B, H, rows, S) in memory;
     # broadcasting k over a group dim instead makes matmul copy the repeated k in every chunk.
-    kt, strided = kv_view(k)  # a large transposed k is read in place (kv_product)
+    kt, strided = kv_view(k, scratch)  # a large transposed k is read in place (kv_product)
     if groups > 1 and not strided:
         kt = kt.expand(batch, -1, -1, -1)
     total = length if positions is None else positions.shape[0]
     buffer = None
-    if reuse and total > 0:
+    if scratch is not None and total > 0:
+        buffer = scratch.get("R", (batch * heads * min(step, total) * keys,))
+    elif reuse and total > 0:
         buffer = torch.empty(batch * heads * min(step, total) * keys, device=q.device)
     for r0 in range(0, total, step):
         r1 = min(total, r0 + step)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall, Scale
+from probe.stats.buffers import call_scratch, release
 from probe.stats.paths import centred, general, key_blocks, logits, shifted
 from probe.stats.plan import CallPlan, plan_call
 from probe.stats.reduce import Heads, reduce_rows
@@ -100,7 +101,15 @@ def forward_fields(call: AttentionCall, plan: CallPlan, saturation: float = 0.99
     """The accumulator fields of a planned call (:func:`~probe.stats.plan.plan_call`)."""
     if _empty(call):
         return {}
-    rows: Rows = PATH_MODULES[plan.path].forward_rows(call, plan)
+    # the chunks' buffers (probe.stats.buffers: on some paths the thread's previous call's),
+    # sized for the widest chunk (blocks of keys ask for what each block needs)
+    batch, heads = call.q.shape[:2]
+    widest = 0 if plan.path == "key_blocks" else batch * heads * plan.step * plan.keys
+    scratch = call_scratch(plan.path, widest, call.q.device)
+    try:
+        rows: Rows = PATH_MODULES[plan.path].forward_rows(call, plan, scratch)
+    finally:
+        release(scratch)
     # the logits path's forward takes every row (no design: its totals are sums)
     heads = reduce_rows(rows, saturation, plan.acc, None if plan.path == "logits" else plan.design)
     return _fields(heads, plan, call.q.shape[1])

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -102,12 +103,24 @@ class CallPlan:
         return None if self.positions is None else int(self.positions.shape[0])
 
 
+def _float32(value: float) -> float:
+    """``value`` rounded to float32; unchanged where float32 cannot hold it (past its range,
+    NaN, ±inf)."""
+    rounded = struct.unpack("f", struct.pack("f", value))[0]
+    return rounded if math.isfinite(rounded) else value
+
+
 def group_scales(scales: Mapping[str, Optional[Scale]]) -> Tuple[Tuple[Tuple[str, ...], ...], Tuple[Optional[Scale], ...]]:
     """``(names, values)``: the scale names grouped by value (a tensor by identity), the group
-    holding ``actual`` first, and one value per group."""
+    holding ``actual`` first, and one value per group.
+
+    Floats group by their float32 value, the precision the chunks are computed in: Hugging Face
+    writes the scale as ``head_dim ** -0.5``, one ulp away from ``1 / sqrt(head_dim)`` at
+    ``head_dim = 32`` (``standard``), and two groups would pay a second exponential pass for
+    the same float32 numbers."""
     groups: Dict[object, List[str]] = {}
     for name, value in scales.items():
-        key = id(value) if isinstance(value, Tensor) or value is None else float(value)
+        key = id(value) if isinstance(value, Tensor) or value is None else _float32(float(value))
         groups.setdefault(key, []).append(name)
     order = sorted(groups.values(), key=lambda names: "actual" not in names)
     return tuple(tuple(n) for n in order), tuple(scales[n[0]] for n in order)

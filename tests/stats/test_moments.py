@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from probe.call import AttentionCall
-from probe.stats import chunks, masks, plan
+from probe.stats import buffers, chunks, masks, plan
 from probe.stats.forward import forward_stats
 from probe.stats.paths import centred, key_blocks
 from tests.helpers import masked_logits64
@@ -274,6 +274,7 @@ def test_key_blocks_keep_long_calls_within_the_budget(monkeypatch, length):
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 8, length, 64, generator=g), torch.randn(1, 8, length, 64, generator=g)
     call = AttentionCall(q=q, k=k, v=None, scale=0.125, causal=True)
+    buffers.forget()  # an earlier call's kept buffers (probe.stats.buffers) are not this call's
     with PeakMemory(cap=budget, exclude=(q, k)) as mem:
         got = forward_stats(call, {"actual": 0.125, "unscaled": 1.0}, budget_bytes=budget, rows=128,
                             generator=torch.Generator().manual_seed(1))
@@ -285,3 +286,41 @@ def test_key_blocks_keep_long_calls_within_the_budget(monkeypatch, length):
         monkeypatch.setattr(plan, "blocked_keys", lambda *args: False)
         with pytest.raises(MemoryError), PeakMemory(cap=budget, exclude=(q, k)):
             forward_stats(call, {"actual": 0.125, "unscaled": 1.0}, budget_bytes=budget, rows=128)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_sampled_rows_mask_padded_keys_as_every_row_does(monkeypatch, path, causal, side):
+    """Padded keys are 0 in the centred product; the sampled rows' exponentials must still
+    leave them out, and each row's max must be over its valid keys only: under causal masking a
+    row sees a prefix of the keys, whose centred logits may all lie below 0 (checked), so a
+    padded key's 0 would be taken for its max. The sampled rows' per-row entropy and max
+    probability are those of the same rows when every row is computed."""
+    from probe.stats.buffers import Scratch
+    from probe.stats.forward import PATH_MODULES
+
+    q, k = _inputs(b=2, hk=2, l=40, s=40, seed=4)
+    pad = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    pad[1, ..., :12] = False if side == "left" else True
+    pad[1, ..., 28:] = True if side == "left" else False
+    call = AttentionCall(q=q, k=k, v=None, scale=0.25, causal=causal, mask=pad)
+    if causal:  # the centred logits q_i·(k_j − k̄), k̄ the mean of the valid keys
+        z, valid = masked_logits64(q, k, 0.25, causal, pad)
+        w = pad[:, 0, 0].double()[:, None, :, None]  # (B, 1, S, 1)
+        kbar = (k.double() * w).sum(2) / w.sum(2)  # (B, Hk, d)
+        centre = 0.25 * (q.double() * kbar.repeat_interleave(2, 1)[:, :, None]).sum(-1)
+        row_max = (z - centre[..., None]).masked_fill(~valid, -math.inf).amax(-1)
+        assert (row_max[valid.any(-1)] < 0).sum() >= 3  # rows whose valid ones are all below 0
+    scales = {"actual": 0.25, "unscaled": 1.0}
+    picked = torch.tensor([1, 2, 3, 5, 8, 12, 13, 14, 15, 20, 27, 28, 29, 33, 39])
+
+    def rows(positions):
+        planned, p = plan.plan_call(call, scales, 2**12, positions)
+        assert p.path in ("centred", "key_blocks")
+        return PATH_MODULES[p.path].forward_rows(planned, p, Scratch(0, q.device))
+
+    every, sampled = rows(None), rows(picked)
+    for name in ("soft_n", "entropy", "max_prob"):
+        torch.testing.assert_close(getattr(sampled, name), getattr(every, name)[..., picked], rtol=1e-5,
+                                   atol=1e-6, msg=name)
+    _check(call, pad)

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall
+from probe.stats.buffers import Scratch
 from probe.stats.plan import LOGIT_BOUND, SAMPLED_BYTES, CallPlan, chunk_picks
 from probe.stats.rows import Rows, exp_sums, nonfinite_rows, softmax_rows
 
@@ -71,7 +72,7 @@ class CentredPrep:
     from float64 sums over slabs of keys."""
 
     def __init__(self, call: AttentionCall, valid: Optional[Tensor], step: int, blocked: bool = False,
-                 block_bytes: int = 0):
+                 block_bytes: int = 0, scratch: Optional[Scratch] = None):
         q, k = call.q, call.k
         batch, heads, length, dim = q.shape
         kv, keys = k.shape[1], k.shape[2]
@@ -92,51 +93,45 @@ class CentredPrep:
             kbar = _key_mean(k, w, self.repeat, block_bytes)
             n = torch.ones(1, 1, keys, device=q.device) if w is None else w
         else:
-            kT = k.transpose(-1, -2)  # (B, Hk, d, S)
-            # [P | k̃_0 … k̃_{S−1}] as (B, Hk, d, 1 + S) float32, contiguous along S (as k in
-            # chunks.row_chunks): the product's first column is q_i·P
-            self.kt = kt = torch.empty(batch, kv, dim, 1 + keys, device=q.device)
-            # k is copied into kt first and centred there: no other k-sized temporary
-            keys_t = kt[..., 1:]
-            keys_t.copy_(kT)
+            # k̃ as (B, Hk, S, d) float32 in memory, read as its transpose (B, Hk, d, S): the
+            # copy of Hugging Face's transposed k keeps its order (7 times faster than writing
+            # it transposed), and products take a transposed operand as it is
+            shape = (batch, kv, keys, dim)
+            rows_k = torch.empty(shape, device=q.device) if scratch is None else scratch.get("kt", shape)
+            rows_k.copy_(k)  # k is copied first and centred there: no other k-sized temporary
             if w is None:
-                kbar = keys_t.mean(-1, keepdim=True)
-                keys_t.sub_(kbar)
+                mean = rows_k.mean(-2, keepdim=True)
+                rows_k.sub_(mean)
                 n = torch.ones(1, 1, keys, device=q.device)
             else:
-                kbar = torch.matmul(keys_t, w.unsqueeze(-1)) / w.sum(-1).clamp(min=1)[..., None, None]
-                keys_t.sub_(kbar).mul_(w.unsqueeze(-2))
+                mean = torch.matmul(w.unsqueeze(-2), rows_k) / w.sum(-1).clamp(min=1)[..., None, None]
+                rows_k.sub_(mean).mul_(w.unsqueeze(-1))
                 n = w
+            kbar = mean.transpose(-1, -2)
+            self.kt = rows_k.transpose(-1, -2)
         self.kbar = kbar  # (B, Hk, d, 1) float32
         # q_i·k̄ = q̄·k̄ + (q_i − q̄)·k̄: the large part in float64, the rest from centred q (in
         # float32 q_i·k̄ would round by 2⁻²⁴·|q_i|·|k̄|, the whole spread of mean-dominated logits);
-        # in blocks of rows, so that q − q̄ is never a q-sized temporary
-        # (1, H, 1, d), from float64 sums over slabs of rows: mean(dtype=float64) casts all of q
-        # first, a float64 copy (64 MiB at (1, 8, 16384, 64)) that tensor counters do not see
-        block = max(1, block_bytes // max(1, batch * heads * dim * 8))
-        qsum = torch.zeros(1, heads, 1, dim, dtype=torch.float64, device=q.device)
-        for r0 in range(0, length, block):
-            qsum += q[:, :, r0 : r0 + block].double().sum((0, 2), keepdim=True)
-        qbar = (qsum / max(1, batch * length)).float()
+        # q̄ is any fixed point near the rows (a float32 mean: q − q̄ rounds by 2⁻²⁴·|q_i| whatever
+        # q̄'s own rounding), and the rows go in blocks, so that q − q̄ is never a q-sized temporary
+        qbar = q.sum((0, 2), keepdim=True, dtype=torch.float32) / max(1, batch * length)  # (1, H, 1, d)
         kq = kbar.transpose(-1, -2).unsqueeze(2).expand(batch, kv, g, 1, dim).reshape(batch, heads, 1, dim)
         base = (qbar.double() * kq.double()).sum(-1)  # (B, H, 1) float64
         self.shift = torch.empty(batch, heads, length, dtype=torch.float64, device=q.device)
         block = max(1, block_bytes // max(1, batch * heads * dim * 4))
         kq_t = kq.transpose(-1, -2)
         for r0 in range(0, length, block):
-            diff = q[:, :, r0 : r0 + block] - qbar  # the one temporary
-            part = torch.matmul(diff, kq_t.to(diff.dtype)).squeeze(-1)
+            rows_q = q[:, :, r0 : r0 + block]
+            shape = (batch, heads, rows_q.shape[2], dim)
+            diff = torch.sub(rows_q, qbar, out=torch.empty(shape, device=q.device) if scratch is None
+                             else scratch.get("qd", shape))  # the one temporary
+            part = torch.matmul(diff, kq_t).squeeze(-1)
             torch.add(base, part, out=self.shift[:, :, r0 : r0 + block])
         if call.causal:
-            if self.kt is not None:
-                # Σ k̃ over the keys before each chunk (filled into column 1 per chunk)
-                self.before = _prefix_sums(self.kt[..., 1:], [min(r0, keys) for r0 in range(0, length, step)], step)
             # each row's count of valid keys (rows after the last key: all)
             counts = n.cumsum(-1)
             rows = counts.index_select(-1, torch.arange(length, device=q.device).clamp(max=keys - 1))
         else:
-            if self.kt is not None:
-                self.kt[..., 0] = self.kt[..., 1:].sum(-1)  # the residual of the centring, ≈ 0
             rows = n.sum(-1, keepdim=True).expand(*n.shape[:2], length)
         self.n = rows.unsqueeze(2).expand(batch, kv, g, length).reshape(batch, heads, length)
         self.keybias = None if w is None else torch.where(valid, 0.0, NEG).unsqueeze(-2)  # (b, h, 1, S)
@@ -173,30 +168,43 @@ def _key_mean(k: Tensor, w: Optional[Tensor], repeat: int, block_bytes: int) -> 
     return (total / count.unsqueeze(-1)).float().unsqueeze(-1)
 
 
-def _prefix_sums(keys_t: Tensor, starts: List[int], step: int) -> Tensor:
-    """``Σ_{j < s} k̃_j`` for each start ``s`` (non-decreasing multiples of ``step``, or the key
-    count), ``(B, Hk, d, len(starts))`` float32 from float64 sums: a float64 prefix sum over slabs
-    of keys, so that no ``(B, Hk, d, S)`` float64 copy is made (two of them, 64 MiB at S = 8192)."""
-    batch, kv, dim, _ = keys_t.shape
-    before = torch.zeros(batch, kv, dim, len(starts), dtype=torch.float64, device=keys_t.device)
-    need = max(starts) if starts else 0
-    slab = max(step, (PREP_BYTES // max(1, batch * kv * dim * 8)) // step * step)
+def _prefix_sums(keys: Tensor, out: Tensor) -> Tensor:
+    """``Σ_{j ≤ i} k̃_j`` for every key ``i`` of ``keys`` (``(B, Hk, S, d)``) into ``out`` (the same
+    shape, float32) from float64 sums: a float64 prefix sum over slabs of keys with a carry, so
+    that no ``(B, Hk, S, d)`` float64 copy is made (two of them, 64 MiB at S = 8192)."""
+    batch, kv, count, dim = keys.shape
+    slab = max(1, PREP_BYTES // max(1, batch * kv * dim * 8))
     carry: Optional[Tensor] = None
-    for k0 in range(0, need, slab):
-        k1 = min(k0 + slab, need)
-        part = keys_t[..., k0:k1].cumsum(-1, dtype=torch.float64)
+    for k0 in range(0, count, slab):
+        part = keys[:, :, k0 : k0 + slab].cumsum(-2, dtype=torch.float64)
         if carry is not None:
             part.add_(carry)
-        chunks = [c for c, s in enumerate(starts) if k0 < s <= k1]
-        if chunks:
-            cols = torch.tensor([starts[c] - 1 - k0 for c in chunks], device=keys_t.device)
-            before[..., chunks] = part.index_select(-1, cols)
-        carry = part[..., -1:]
-    return before.float()
+        out[:, :, k0 : k0 + slab].copy_(part)
+        carry = part[:, :, -1:]
+    return out
+
+
+def row_sums(prep: CentredPrep, q: Tensor, scratch: Scratch) -> Tensor:
+    """``Σ_j C_ij`` over each row's valid keys, ``(B, H, L)`` float64, without a pass over ``C``:
+    ``q_i·Σ_j k̃_j``, the sum over every valid key (≈ 0, the centring's rounding) or, causal, over
+    the keys up to ``i`` (an inclusive prefix sum of ``k̃``, float64 then float32)."""
+    assert prep.kt is not None
+    batch, heads, length, dim = q.shape
+    qg = q.unflatten(1, (prep.kv, prep.g)).float()  # (B, Hk, g, L, d): a kv head per group
+    keys_rows = prep.kt.transpose(-1, -2)  # (B, Hk, S, d)
+    if not prep.causal:
+        total = keys_rows.sum(-2, keepdim=True).unsqueeze(2)  # (B, Hk, 1, 1, d)
+        return torch.linalg.vecdot(qg, total).reshape(batch, heads, length).double()
+    keys = keys_rows.shape[2]
+    prefix = _prefix_sums(keys_rows, scratch.get("prefix", keys_rows.shape))
+    if length > keys:  # rows after the last key see every key
+        prefix = prefix.index_select(2, torch.arange(length, device=q.device).clamp(max=keys - 1))
+    return torch.linalg.vecdot(qg, prefix[:, :, :length].unsqueeze(2)).reshape(batch, heads, length).double()
 
 
 def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[float], step: int,
-                  picks: Sequence[Optional[Tensor]]) -> Tuple[List[Tensor], List[Tensor]]:
+                  picks: Sequence[Optional[Tensor]], scratch: Optional[Scratch] = None
+                  ) -> Tuple[List[Tensor], List[Tensor]]:
     """Per-row sums of the centred path (module docstring): ``exact = [n, r, μ, M2, 0]`` for every
     row (:func:`exact_rows`) and ``soft = [n, r, Σe_1, Σe·D_1, …]`` for the rows ``picks`` (as
     :func:`~probe.stats.paths.shifted.chunk_sums` returns them; :func:`to_rows` takes both).
@@ -204,26 +212,32 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
     Per chunk: one product (its first two columns ``q_i·k̄`` and ``q_i·P``), ``‖C‖²``, the mask's
     addition and ``amax``. The sampled rows (``picks``, local indices per chunk) are copied out
     and their exponentials computed once after the loop; with ``picks`` all ``None`` (every row)
-    each chunk's exponentials run while it is in cache.
+    each chunk's exponentials run while it is in cache. ``scratch``: the call's buffers
+    (:mod:`probe.stats.buffers`).
     """
     q = call.q
     batch, heads, length, dim = q.shape
     keys = call.k.shape[2]
     device = q.device
-    prep = CentredPrep(call, valid, step)
-    upper = None
-    if call.causal:
-        upper = torch.zeros(step, step, device=device).masked_fill_(
-            torch.ones(step, step, dtype=torch.bool, device=device).triu(1), NEG)
+    scratch = scratch or Scratch(0, device)
+    prep = CentredPrep(call, valid, step, scratch=scratch)
+    assert prep.kt is not None
+    lower = upper = None
+    if call.causal:  # the diagonal block's mask: 1 / 0 (zeroes C above the diagonal), 0 / NEG
+        above = torch.ones(step, step, dtype=torch.bool, device=device).triu(1)
+        lower = (~above).float()
+        upper = torch.zeros(step, step, device=device).masked_fill_(above, NEG)
     every = all(p is None for p in picks)
-    full_buf = torch.empty(batch * heads * step * (keys + 1), device=device)
-    work = torch.empty(batch * heads * step * keys if every else 0, device=device)
+    full_buf = scratch.get("R", (batch * heads * step * keys,))
+    work = scratch.get("e", (batch * heads * step * keys,)) if every else None
     sampled = e_buf = None
     if not every:  # the sampled rows' C, masked (NEG) beyond each chunk's keys, a bounded batch
         total = sum(int(p.shape[0]) for p in picks if p is not None)  # of them at a time
         cap = max(1, min(total, SAMPLED_BYTES // max(1, batch * heads * keys * 4)))
-        sampled = torch.full((batch, heads, cap, keys), NEG, device=device)
-        e_buf = torch.empty(batch * heads * cap * keys, device=device)
+        sampled = scratch.get("rows", (batch, heads, cap, keys))
+        if call.causal:  # rows of later chunks span more keys: the rest is masked
+            sampled.fill_(NEG)
+        e_buf = scratch.get("e", (batch * heads * cap * keys,))
     parts: List[Tensor] = []
     soft_parts: List[Tensor] = []
     used = 0  # sampled rows gathered in the buffer
@@ -232,47 +246,44 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
     def flush(cols: int) -> None:  # the gathered rows' exponentials, over the keys seen so far
         nonlocal used, cmax_parts
         top = torch.cat(cmax_parts, dim=-1) if len(cmax_parts) > 1 else cmax_parts[0]
-        D = sampled[:, :, :used, :cols].sub_(torch.where(top <= NEG / 2, 0.0, top).unsqueeze(-1))
+        D = sampled[:, :, :used, :cols]
+        if prep.keybias is not None and not call.causal:  # masked keys: 0 in C, NEG here
+            D.add_(prep.keybias[..., :cols])
+        D.sub_(torch.where(top <= NEG / 2, 0.0, top).unsqueeze(-1))
         soft_parts.append(torch.stack(exp_sums(D, D, scales, e_buf[: D.numel()].view(D.shape))))
-        D.fill_(NEG)  # the buffer is reused: keys beyond a later row's chunk stay masked
+        if call.causal:  # the buffer is reused: keys beyond a later row's chunk stay masked
+            D.fill_(NEG)
         used, cmax_parts = 0, []
     for index, r0 in enumerate(range(0, length, step)):
         r1 = min(length, r0 + step)
         rows = r1 - r0
         cols = min(keys, r1) if call.causal else keys  # a causal chunk stops at its last query
-        if prep.causal:
-            prep.kt[..., 0] = prep.before[..., index]
-        full = full_buf[: batch * heads * rows * (cols + 1)].view(batch, heads, rows, cols + 1)
+        C = full_buf[: batch * heads * rows * cols].view(batch, heads, rows, cols)
         qc = q[:, :, r0:r1].float()
         if prep.g > 1:  # q rows as (B, Hk, g·rows, d): one product per kv head (chunks.row_chunks)
-            torch.matmul(qc.reshape(batch, prep.kv, prep.g * rows, dim), prep.kt[..., : 1 + cols],
-                         out=full.view(batch, prep.kv, prep.g * rows, cols + 1))
+            torch.matmul(qc.reshape(batch, prep.kv, prep.g * rows, dim), prep.kt[..., :cols],
+                         out=C.view(batch, prep.kv, prep.g * rows, cols))
         else:
-            torch.matmul(qc, prep.kt[..., : 1 + cols], out=full)
-        C = full[..., 1:]
-        extra = None
-        if upper is not None and cols > r0:  # masked keys are 0 in C: only the causal block is masked
+            torch.matmul(qc, prep.kt[..., :cols], out=C)
+        diag = None
+        if lower is not None and upper is not None and cols > r0:
+            # only the causal block is masked: zeroed for ‖C‖², NEG for the max
             diag = C[..., r0:]
-            block = upper[:rows, : cols - r0]
-            kept = diag * (block == 0)
-            extra = torch.stack([kept.sum(-1), torch.linalg.vector_norm(kept, dim=-1)])
-            sq = torch.linalg.vector_norm(C[..., :r0], dim=-1) if r0 > 0 else torch.zeros_like(extra[1])
-            diag.add_(block)
-        else:
-            sq = torch.linalg.vector_norm(C, dim=-1)
-        if prep.keybias is not None:
+            diag.mul_(lower[:rows, : cols - r0])
+        sq = torch.linalg.vector_norm(C, dim=-1)
+        if diag is not None and upper is not None:
+            diag.add_(upper[:rows, : cols - r0])
+        if prep.keybias is not None and (every or call.causal):
             C.add_(prep.keybias[..., :cols])
+        # else masked keys are 0 in C (k̃ zeroed): without their NEG the max is max(valid max, 0),
+        # and the valid max is at least the row's mean, q_i·Σk̃/n over every valid key ≈ 0 (the
+        # centring's rounding); the sampled rows get their NEG in flush()
         cmax = C.amax(-1)
-        stats = [full[..., 0], sq, cmax]
-        if extra is not None:
-            stats += [extra[0], extra[1]]
-        else:
-            zero = torch.zeros_like(sq)
-            stats += [zero, zero]
-        parts.append(torch.stack(stats))
+        parts.append(torch.stack([sq, cmax]))
         pick = picks[index]
         if every:
             top = torch.where(cmax <= NEG / 2, 0.0, cmax).unsqueeze(-1)
+            assert work is not None
             soft_parts.append(torch.stack(exp_sums(C.sub_(top), C, scales, work[: C.numel()].view(C.shape))))
         else:
             taken = 0
@@ -287,10 +298,9 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
             # the rest: at the end, or (causal) once there are enough of them
             if used > 0 and (r1 == length or (call.causal and used >= _FLUSH_ROWS)):
                 flush(cols)
-    per_row = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]  # (5, B, H, L)
-    c_off, sq, cmax, c_diag, sq_diag = per_row.unbind(0)
-    csum = c_off.double() + c_diag.double()  # Σ_j C_ij over the valid keys
-    exact, cmax = exact_rows(prep, csum, sq.double().square() + sq_diag.double().square(), cmax)
+    per_row = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]  # (2, B, H, L)
+    sq, cmax = per_row.unbind(0)
+    exact, cmax = exact_rows(prep, row_sums(prep, q, scratch), sq.double().square(), cmax)
     n = prep.n
     r = exact[1]
     if every:
@@ -325,9 +335,9 @@ def to_rows(exact: List[Tensor], soft: List[Tensor], scales: Sequence[float]) ->
     return Rows(n, r, mean, m2, nonfinite_rows(zero, n, r, scales[0]), None, soft[0], entropy, max_prob)
 
 
-def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
+def forward_rows(call: AttentionCall, plan: CallPlan, scratch: Scratch) -> Rows:
     """The centred path's :class:`Rows` in chunks of ``plan.step`` query rows (the call causal
     also when its mask held the causal pattern: ``plan.causal``)."""
     call = dataclasses.replace(call, causal=plan.causal)
-    exact, soft = centred_rows(call, plan.valid, plan.floats, plan.step, chunk_picks(call, plan)[1])
+    exact, soft = centred_rows(call, plan.valid, plan.floats, plan.step, chunk_picks(call, plan)[1], scratch)
     return to_rows(exact, soft, plan.floats)

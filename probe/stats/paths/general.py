@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall, Scale
-from probe.stats.buffers import Scratch, release, take_scratch
+from probe.stats.buffers import Scratch
 from probe.stats.chunks import MASK_BIAS, DPSource, all_finite, as_4d, row_chunks
 from probe.stats.plan import CallPlan, backward_step, chunk_picks
 from probe.stats.rows import LOG2E, Rows, exact_pass, moment_rows, scale_view
@@ -223,7 +223,7 @@ def _bias_rows(bias: Optional[Tensor], r0: int, rows: int, cols: int, picked: Op
     return bias[..., :cols] if bias.shape[-1] > cols else bias
 
 
-def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
+def forward_rows(call: AttentionCall, plan: CallPlan, scratch: Scratch) -> Rows:
     """Every row's exact statistics and the sampled rows' exponential ones (:class:`Rows`):
     causal chunks stop at their last query, one product buffer and the scratch buffers serve
     every chunk (:func:`chunk_rows`)."""
@@ -231,19 +231,18 @@ def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
     values = plan.values
     last, picks = chunk_picks(call, plan)
     need_min = any(isinstance(v, Tensor) or float(v) < 0 for v in values)  # type: ignore[arg-type]
-    buffers = take_scratch(batch * heads * plan.step * plan.keys, call.q.device)  # the widest chunk
+    buffers = scratch
     # the bias is read per chunk here, raw (chunk_rows masks with it): not through row_chunks
     plain = dataclasses.replace(call, bias=None)
     bias = None if call.bias is None else as_4d(call.bias)
     exact_parts: List[Tensor] = []
     soft_parts: List[Tensor] = []
-    for index, (R, valid, _) in enumerate(row_chunks(plain, plan.step, None, reuse=True, last=last)):
+    for index, (R, valid, _) in enumerate(row_chunks(plain, plan.step, None, last=last, scratch=buffers)):
         b = _bias_rows(bias, index * plan.step, R.shape[2], R.shape[-1], None)
         exact, soft = chunk_rows(R, valid, b, values, call.softcap, buffers, picks[index],  # type: ignore[arg-type]
                                  need_min, plan.proven, plan.bias_masks)
         exact_parts.append(torch.stack(exact))
         soft_parts.append(torch.stack(soft))
-    release(buffers)
     exact_all = torch.cat(exact_parts, dim=-1) if len(exact_parts) > 1 else exact_parts[0]
     soft_all = torch.cat(soft_parts, dim=-1) if len(soft_parts) > 1 else soft_parts[0]
     n, r, sum_d, sum_d2, bad = exact_all[:5].unbind(0)
@@ -288,17 +287,18 @@ def grad_chunk(X: Tensor, valid: Optional[Tensor], neg: Optional[Tensor], bias: 
     return torch.where(se == 0, 0.0, g2)
 
 
-def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource) -> Tensor:
+def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scratch) -> Tensor:
     """Per row ``Σ_j (∂L/∂Z^σ_j)²`` at each distinct scale, ``(G, B, H, N)`` float32, for the rows
     of ``plan.positions`` (``None``: every row): only those rows form their logits and ``dP``, in
     cache-sized chunks that stop at their last query under causal masking, with buffers reused
-    across chunks. The values are multiplied by ``dp.gs²``."""
+    across chunks (``scratch``, :mod:`probe.stats.buffers`). The values are multiplied by
+    ``dp.gs²``."""
     batch, heads = call.q.shape[:2]
     positions = plan.positions
     total = plan.length if positions is None else positions.shape[0]
     step = backward_step(call, plan)
     picked = None if positions is None else positions.to(call.q.device, non_blocking=True)
-    buffers = take_scratch(batch * heads * step * plan.keys, call.q.device)
+    buffers = scratch
     last = None
     if call.causal and call.q.device.type != "meta":  # the last query of each chunk, on the host
         ends = [min(total, r0 + step) - 1 for r0 in range(0, total, step)]
@@ -307,7 +307,7 @@ def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource) -> Tensor:
     bias = None if call.bias is None else as_4d(call.bias)
     per_row: List[List[Tensor]] = [[] for _ in plan.values]
     r0 = 0
-    for R, valid, _ in row_chunks(plain, step, picked, reuse=True, last=last):
+    for R, valid, _ in row_chunks(plain, step, picked, last=last, scratch=buffers):
         n, cols = R.shape[2], R.shape[3]
         b = _bias_rows(bias, r0, n, cols, picked)
         valid, neg = chunk_masks(valid, b, buffers, plan.bias_masks)
@@ -316,5 +316,4 @@ def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource) -> Tensor:
             per_row[i].append(grad_chunk(R, valid, neg, b, dP, sigma, call.softcap,  # type: ignore[arg-type]
                                          plan.proven, buffers))
         r0 += n
-    release(buffers)
     return torch.stack([torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0] for parts in per_row])

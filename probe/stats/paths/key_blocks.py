@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall
+from probe.stats.buffers import Scratch
 from probe.stats.chunks import grouped_product
 from probe.stats.paths.centred import NEG, PREP_BYTES, CentredPrep, exact_rows, to_rows
 from probe.stats.plan import CallPlan
@@ -40,7 +41,8 @@ def _block_shape(batch: int, heads: int, kv: int, dim: int, length: int, keys: i
 
 
 def blocked_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[float],
-                          positions: Optional[Tensor], budget_bytes: int) -> Tuple[List[Tensor], List[Tensor]]:
+                          positions: Optional[Tensor], budget_bytes: int,
+                          scratch: Optional[Scratch] = None) -> Tuple[List[Tensor], List[Tensor]]:
     """:func:`~probe.stats.paths.centred.centred_rows` in bounded memory at any length: no centred copy of k and no
     buffer over every key. Keys are centred a block at a time (:meth:`CentredPrep.block`);
 
@@ -63,8 +65,9 @@ def blocked_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
     prep = CentredPrep(call, valid, 0, blocked=True, block_bytes=min(PREP_BYTES, budget_bytes // 16))
     kv, causal = prep.kv, call.causal
     width, rows = _block_shape(batch, heads, kv, dim, length, keys, budget_bytes)
-    kbuf = torch.empty(batch * kv * dim * width, device=device)
-    cbuf = torch.empty(batch * heads * rows * width, device=device)
+    scratch = scratch or Scratch(0, device)  # the blocks' buffers (probe.stats.buffers)
+    kbuf = scratch.get("kt", (batch * kv * dim * width,))
+    cbuf = scratch.get("R", (batch * heads * rows * width,))
     csum = torch.zeros(batch, heads, length, dtype=torch.float64, device=device)
     sumsq = torch.zeros(batch, heads, length, dtype=torch.float64, device=device)
     cmax = torch.full((batch, heads, length), NEG, device=device)
@@ -107,7 +110,7 @@ def blocked_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
     count = qsel.shape[2]
     sums = torch.zeros(2 * len(scales), batch, heads, count, device=device)
     dmax = torch.full((batch, heads, count), NEG, device=device)
-    ebuf = torch.empty(batch * heads * rows * width, device=device)
+    ebuf = scratch.get("e", (batch * heads * rows * width,))
     for k0 in range(0, keys, width):
         k1 = min(keys, k0 + width)
         if causal and count and k0 > int(where[-1]):
@@ -138,9 +141,9 @@ def blocked_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
     return exact, [n, r] + soft
 
 
-def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
+def forward_rows(call: AttentionCall, plan: CallPlan, scratch: Scratch) -> Rows:
     """The centred path's :class:`Rows` over blocks of keys (the call causal also when its mask
     held the causal pattern: ``plan.causal``)."""
     call = dataclasses.replace(call, causal=plan.causal)
-    exact, soft = blocked_rows(call, plan.valid, plan.floats, plan.positions, plan.budget_bytes)
+    exact, soft = blocked_rows(call, plan.valid, plan.floats, plan.positions, plan.budget_bytes, scratch)
     return to_rows(exact, soft, plan.floats)

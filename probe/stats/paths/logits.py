@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall
-from probe.stats.buffers import release, take_scratch
+from probe.stats.buffers import Scratch
 from probe.stats.chunks import DPSource
 from probe.stats.paths.general import grad_chunk
 from probe.stats.plan import CallPlan, backward_step
@@ -35,7 +35,7 @@ from probe.stats.rows import Rows
 __all__ = ["forward_rows", "grad_rows"]
 
 
-def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
+def forward_rows(call: AttentionCall, plan: CallPlan, scratch: Scratch) -> Rows:
     """:class:`Rows` of ``softmax(call.logits)`` over every row, at ``actual`` only."""
     logits = call.logits
     assert logits is not None
@@ -56,7 +56,7 @@ def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
     return Rows(n, top, mean.to(plan.acc), m2.to(plan.acc), bad, None, n_s, entropy[None], max_prob[None])
 
 
-def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource) -> Tensor:
+def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scratch) -> Tensor:
     """Per row ``Σ_j (∂L/∂Z_j)²`` with ``P = softmax(call.logits)`` (masked entries are ``−inf``
     or ``finfo.min`` there: ``exp`` gives 0), ``(1, B, H, N)`` for the rows of ``plan.positions``
     (``None``: every row), multiplied by ``dp.gs²``."""
@@ -67,12 +67,11 @@ def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource) -> Tensor:
     total = plan.length if positions is None else positions.shape[0]
     step = backward_step(call, plan)
     picked = None if positions is None else positions.to(call.q.device, non_blocking=True)
-    buffers = take_scratch(batch * heads * step * plan.keys, call.q.device)
+    buffers = scratch
     parts: List[Tensor] = []
     for r0 in range(0, total, step):
         n = min(total, r0 + step) - r0
         rows = logits[:, :, r0 : r0 + n] if picked is None else logits.index_select(2, picked[r0 : r0 + n])
         dP = dp.into(buffers.get("dp", (batch, heads, n, plan.keys)), r0, n, plan.keys, picked)
         parts.append(grad_chunk(rows.float(), None, None, None, dP, 1.0, None, False, buffers))
-    release(buffers)
     return (torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]).unsqueeze(0)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall
+from probe.stats.buffers import Scratch
 from probe.stats.chunks import DPSource, all_finite, row_chunks
 from probe.stats.plan import CallPlan, backward_step, chunk_picks
 from probe.stats.rows import LOG2E, Rows, exact_pass, exp_sums, moment_rows, nonfinite_rows, softmax_rows
@@ -95,7 +96,7 @@ def chunk_sums(R: Tensor, valid: Optional[Tensor], scales: List[float], work: Te
     return [n_row] + exact, exp_sums(D, D0, scales, e)
 
 
-def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
+def forward_rows(call: AttentionCall, plan: CallPlan, scratch: Scratch) -> Rows:
     """Every row's exact statistics and the sampled rows' exponential ones (:class:`Rows`), in
     chunks of ``plan.step`` rows: causal chunks stop at their last query, and without other
     masks only their diagonal block is masked, with one mask."""
@@ -105,11 +106,11 @@ def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
     last, picks = chunk_picks(call, plan)
     block = call.causal and call.mask is None
     upper = causal_upper(step, device) if block else None
-    work = torch.empty(2 * batch * heads * step * plan.keys, device=device)  # the widest chunk
+    work = scratch.get("work", (2 * batch * heads * step * plan.keys,))  # the widest chunk
     exact_parts: List[Tensor] = []
     soft_parts: List[Tensor] = []
     n_parts: List[Tensor] = []
-    chunks = row_chunks(call, step, None, reuse=True, last=last, causal_mask=not block)
+    chunks = row_chunks(call, step, None, last=last, causal_mask=not block, scratch=scratch)
     for index, (R, valid, _) in enumerate(chunks):
         causal = None if upper is None else (index * step, upper)
         exact, soft = chunk_sums(R, valid, floats, work, causal, picks[index])
@@ -126,7 +127,7 @@ def forward_rows(call: AttentionCall, plan: CallPlan) -> Rows:
     return Rows(n, r, mean, m2, nonfinite_rows(bad, n, r, floats[0]), None, soft_n, entropy, max_prob)
 
 
-def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource) -> Tensor:
+def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scratch) -> Tensor:
     """Per row ``Σ_j (∂L/∂Z^σ_j)²`` at each distinct positive scale, ``(G, B, H, N)`` float32, for
     the rows of ``plan.positions`` (``None``: every row): only those rows' ``q·kᵀ`` and ``dP`` are
     formed (the cost is proportional to their number).
@@ -135,7 +136,8 @@ def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource) -> Tensor:
     ``c = Σ e·dP / Σe`` a row's ``Σ_j (P_j (dP_j − c))² = ‖e ⊙ (dP − c)‖² / (Σe)²``. Chunks are
     cache-sized and reuse four buffers (R, dP, e, one product); a causal chunk stops at its last
     query (later keys have ``P = 0``, no gradient) and, without other masks, masks only its
-    diagonal block. The values are multiplied by ``dp.gs²``.
+    diagonal block. The values are multiplied by ``dp.gs²``. ``scratch``: the call's buffers
+    (:mod:`probe.stats.buffers`).
 
     Pitfall: a fully masked row has ``Σe = 0`` and contributes 0; a NaN row stays NaN.
     """
@@ -151,16 +153,18 @@ def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource) -> Tensor:
     block = call.causal and call.mask is None and positions is None
     upper = causal_upper(step, call.q.device) if block else None
     per_row: List[List[Tensor]] = [[] for _ in plan.values]
-    work = torch.empty(3 * batch * heads * step * plan.keys, device=call.q.device)
     picked = None if positions is None else positions.to(call.q.device, non_blocking=True)
+    proven = plan.path in ("centred", "key_blocks")
     r0 = 0
-    for R, valid, _ in row_chunks(call, step, picked, reuse=True, last=last, causal_mask=not block):
+    for R, valid, _ in row_chunks(call, step, picked, last=last, causal_mask=not block, scratch=scratch):
         rows, cols = R.shape[2], R.shape[3]
-        n = R.numel()
-        dP, e, t = (work[i * n : (i + 1) * n].view(R.shape) for i in range(3))
+        dP, e, t = (scratch.get(name, R.shape) for name in ("dp", "e", "t"))
         dp.into(dP, r0, rows, cols, picked)
-        # a sum of R proves the chunk finite on CPUs, where an added mask is cheaper (mask_)
-        mask_(R, valid, None if upper is None else (r0, upper), valid is not None and all_finite(R))
+        # finite: the centred paths' inputs were proven so (plan.inputs_finite; autograd forbids
+        # changing q and k in place before the backward), else a sum of R proves the chunk finite
+        # on CPUs; then an added mask is cheaper (mask_)
+        finite = valid is not None and (proven or all_finite(R))
+        mask_(R, valid, None if upper is None else (r0, upper), finite)
         rmax = R.amax(-1, keepdim=True)
         D = R.sub_(torch.where(rmax == -math.inf, 0.0, rmax))
         for i, sigma in enumerate(plan.floats):
