@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall, Scale
-from probe.stats.buffers import call_scratch, release
+from probe.stats.buffers import call_scratch, release, take_scratch
 from probe.stats.chunks import DPSource, accumulation_dtype, kv_view, minmax
 from probe.stats.paths import general, logits, shifted
 from probe.stats.plan import CallPlan, backward_step, plan_call
@@ -77,9 +77,16 @@ def head_sq(grad: Tensor, budget_bytes: int = _HEAD_SQ_BYTES) -> Tensor:
     row_bytes = batch * heads * dim * (torch.finfo(dtype).bits // 8)
     step = max(1, min(budget_bytes, _HEAD_SQ_BYTES) // max(1, row_bytes))
     total: Optional[Tensor] = None
+    # on CPUs the upcast goes into the thread's kept buffer (a fresh one costs its page faults)
+    scratch = take_scratch(0, grad.device) if grad.device.type == "cpu" and grad.dtype != dtype else None
     for r0 in range(0, length, step):
-        part = torch.linalg.vector_norm(grad[:, :, r0 : r0 + step], dim=-1, dtype=dtype).square_().sum((0, 2))
+        rows = grad[:, :, r0 : r0 + step]
+        if scratch is not None:
+            rows = scratch.get("upcast", rows.shape, dtype).copy_(rows)
+        part = torch.linalg.vector_norm(rows, dim=-1, dtype=dtype).square_().sum((0, 2))
         total = part if total is None else total.add_(part)
+    if scratch is not None:
+        release(scratch)
     return (torch.zeros(heads, dtype=dtype, device=grad.device) if total is None else total).to(acc)
 
 
