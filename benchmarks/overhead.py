@@ -47,6 +47,7 @@ Usage::
     python benchmarks/overhead.py --quick              # 7 rounds
     python benchmarks/overhead.py --workload bert --seq 128 512 --plain
     python benchmarks/overhead.py --floor              # only the floors (no timing)
+    python benchmarks/overhead.py --ops                # torch operations per probed call (no timing)
     benchmarks/before.sh 7fc42e4 /tmp/before && \
       PYTHONPATH=$PWD:/tmp/before python benchmarks/overhead.py --before probe_before
 """
@@ -68,6 +69,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import probe  # noqa: E402
@@ -414,6 +416,43 @@ def print_result(res: Dict[str, Any]) -> None:
         print(f"before: close() after {res['close_steps']} probed TensorBoard steps: {res['close_before_s']:.2f} s")
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched while active (forward and, on CPUs, the backward,
+    which runs on the calling thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def op_counts(workload: str, seq: int = 0, batch: int = 0, module: Any = probe) -> Dict[str, float]:
+    """Torch operations per step: bare, probed with ``every=1`` (default ``rows``), and what probe
+    adds per attention call, counted (no clock: the same on every machine). Each operation costs
+    the dispatcher and Python a few microseconds however small its tensor, so this is the Python
+    overhead of a probed call in the units that bound it."""
+    w = build(workload, seq, batch)
+
+    def count() -> int:
+        w.step(w.model)  # warm: first-call paths (plans, provenance) are not the steady state
+        with _OpCounter() as counter:
+            w.step(w.model)
+        return counter.count
+
+    bare = count()
+    p = module.watch(w.model, every=1)
+    try:
+        probed = count()
+        calls = len(p.summary().sites)  # one call per site and step in these workloads
+    finally:
+        p.close()
+    return {"bare": bare, "probed": probed, "added": probed - bare, "calls": calls,
+            "per_call": (probed - bare) / max(1, calls)}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", nargs="+", default=["bert-padded", "llama-gqa"], choices=list(WORKLOADS))
@@ -434,10 +473,22 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="torch threads (1 is steadier on a machine shared with other jobs)")
     parser.add_argument("--only", nargs="+", default=[],
                         help="run only these probe arms (and bare), e.g. --only every=1 (each version's)")
+    parser.add_argument("--ops", action="store_true",
+                        help="only count the torch operations of a bare and a probed step (every=1) and exit "
+                             "(with --before: that version's too)")
     parser.add_argument("--floor", action="store_true",
                         help="only print each workload's floor (rows=128, rows=None; every=1, every=10) and exit")
     args = parser.parse_args(argv)
     ONLY[:] = args.only
+    if args.ops:
+        versions = [("probe", probe)] + ([(args.before, importlib.import_module(args.before))] if args.before else [])
+        for workload in args.workload:
+            for seq in args.seq:
+                for label, module in versions:
+                    c = op_counts(workload, seq, args.batch, module)
+                    print(f"{workload} (seq {seq or 'default'}) {label}: bare {c['bare']} ops per step, probed "
+                          f"{c['probed']}: +{c['added']} ({c['per_call']:.0f} per attention call, {c['calls']} calls)")
+        return 0
     if args.floor:
         for workload in args.workload:
             for seq in args.seq:
