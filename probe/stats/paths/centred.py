@@ -7,17 +7,21 @@ padding mask), with inputs proven to give finite logits (:func:`probe.stats.plan
 CPUs):
 
 - Keys are centred once per call on the mean ``k̄`` of each (batch, kv head)'s valid keys, masked
-  keys zeroed: ``k̃_j = w_j·(k_j − k̄)``. Each chunk's product ``C = q·k̃ᵀ`` (float32, as
-  :mod:`probe.stats.chunks`, grouped-query attention without repeating k) has one more column,
-  ``q_i·P`` with ``P`` the sum of ``k̃`` over the keys before the chunk (causal) or over all
-  valid keys (then ``≈ 0``, the centring's rounding); masked keys give 0.
-- Row ``i``: ``Σ_j C_ij = q_i·P + (the causal block's row sum)``, ``Σ_j C_ij² = ‖C_i‖²`` (one fused
-  pass), ``M2_i = ‖C_i‖² − (Σ_j C_ij)²/n_i`` and the mean ``μ_i = q_i·k̄ + Σ_j C_ij / n_i`` with
-  ``q_i·k̄ = q̄·k̄ + (q_i − q̄)·k̄`` (the large part in float64: a float32 ``q_i·k̄`` would round away
-  the spread of mean-dominated logits). Rows combine in float64 (Chan, :func:`probe.stats.reduce.reduce_rows`):
+  keys zeroed: ``k̃_j = w_j·(k_j − k̄)``. Each chunk's product is ``C = q·k̃ᵀ`` (float32, as
+  :mod:`probe.stats.chunks`, grouped-query attention without repeating k); masked keys give 0.
+- Row ``i``: ``Σ_j C_ij = q_i·Σ_j k̃_j`` over its valid keys, with no pass over ``C``
+  (:func:`row_sums`: the sum over every valid key, ``≈ 0`` (the centring's rounding), or, causal,
+  an inclusive prefix sum of ``k̃``), ``Σ_j C_ij² = ‖C_i‖²`` (one fused pass, a causal chunk's
+  diagonal block zeroed above the diagonal first), ``M2_i = ‖C_i‖² − (Σ_j C_ij)²/n_i`` and the
+  mean ``μ_i = q_i·k̄ + Σ_j C_ij / n_i`` with ``q_i·k̄ = q̄·k̄ + (q_i − q̄)·k̄`` (the large part in
+  float64: a float32 ``q_i·k̄`` would round away the spread of mean-dominated logits). Rows
+  combine in float64 (Chan, :func:`probe.stats.reduce.reduce_rows`):
   ``M2 = Σ M2_i + Σ n_i (μ_i − μ)²``, a sum of non-negative terms.
 - The mask is added as the finite :data:`NEG` (below every valid logit, so ``e·D`` is 0 there,
-  not NaN; no masked copy, no non-finite count), the row max is ``max C + q_i·k̄``, and only the
+  not NaN; no masked copy, no non-finite count): to the causal block, and, for padded keys, to
+  every chunk under causal masking or ``rows=None``, else only to the sampled rows (the row max
+  of ``C`` with a padded key's 0 is ``max(valid max, 0)``, and the valid max is at least the
+  row's mean over every valid key, ``≈ 0``). The row max is ``max C + q_i·k̄``, and only the
   sampled rows form ``D = C − max C`` and their exponentials, gathered across chunks.
 - Long calls (the centred copy of k and the buffers over every key would outgrow a quarter of
   ``memory_budget``) run over blocks of keys instead (:mod:`probe.stats.paths.key_blocks`): keys are
@@ -209,8 +213,8 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
     row (:func:`exact_rows`) and ``soft = [n, r, Σe_1, Σe·D_1, …]`` for the rows ``picks`` (as
     :func:`~probe.stats.paths.shifted.chunk_sums` returns them; :func:`to_rows` takes both).
 
-    Per chunk: one product (its first two columns ``q_i·k̄`` and ``q_i·P``), ``‖C‖²``, the mask's
-    addition and ``amax``. The sampled rows (``picks``, local indices per chunk) are copied out
+    Per chunk: one product, ``‖C‖²`` and ``amax`` (causal: the diagonal block zeroed, then masked;
+    padded keys masked where the module docstring says). The sampled rows (``picks``, local indices per chunk) are copied out
     and their exponentials computed once after the loop; with ``picks`` all ``None`` (every row)
     each chunk's exponentials run while it is in cache. ``scratch``: the call's buffers
     (:mod:`probe.stats.buffers`).
