@@ -26,6 +26,7 @@ positions, a key mask and numbers.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import struct
@@ -193,8 +194,17 @@ def chunk_picks(call: AttentionCall, plan: CallPlan) -> Tuple[Optional[List[int]
     last = [min(length, r0 + step) - 1 for r0 in starts] if call.causal and device.type != "meta" else None
     if plan.positions is None:
         return last, [None] * len(starts)
-    chunk_of = plan.positions // step
-    return last, [(plan.positions[chunk_of == c] - r0).to(device, non_blocking=True) for c, r0 in enumerate(starts)]
+    # sorted positions: each chunk's are one slice (bounds found on the host, where they are),
+    # made local by one subtraction per chunk
+    positions = plan.positions.tolist()
+    picks: List[Optional[Tensor]] = []
+    lo = 0
+    for r0 in starts:
+        hi = bisect.bisect_left(positions, r0 + step, lo)
+        local = torch.tensor([p - r0 for p in positions[lo:hi]], dtype=torch.long)
+        picks.append(local if device.type == "cpu" else local.to(device, non_blocking=True))
+        lo = hi
+    return last, picks
 
 
 def backward_step(call: AttentionCall, plan: CallPlan) -> int:

@@ -189,3 +189,23 @@ def test_left_padding_is_a_ratio_not_a_share_of_valid_rows(rows):
     assert torch.equal(fields["rows"], exact["rows"])
     np.testing.assert_allclose((fields["entropy@actual"] / fields["rows"]).numpy(), 1.0, rtol=1e-6)
     assert torch.all(fields["entropy_var@actual"] >= 0)
+
+
+def test_chunk_picks_split_the_sorted_positions_by_chunk():
+    """Each chunk's sampled rows, local to it: the positions in [r0, r0 + step) minus r0, empty
+    where none was drawn (one host split of the sorted positions, not a mask per chunk)."""
+    from types import SimpleNamespace
+
+    from probe.stats.plan import chunk_picks
+
+    gen = torch.Generator().manual_seed(2)
+    for length, step, count in [(128, 32, 9), (100, 7, 40), (64, 64, 5), (50, 16, 0), (33, 1, 33)]:
+        positions = torch.randperm(length, generator=gen)[:count].sort().values
+        call = SimpleNamespace(causal=False, q=torch.empty(1, 1, length, 4))
+        plan = SimpleNamespace(length=length, step=step, positions=positions)
+        _, picks = chunk_picks(call, plan)  # type: ignore[arg-type]
+        assert len(picks) == -(-length // step)
+        for c, pick in enumerate(picks):
+            r0 = c * step
+            expected = positions[(positions >= r0) & (positions < r0 + step)] - r0
+            assert pick is not None and pick.dtype == torch.long and torch.equal(pick, expected)
