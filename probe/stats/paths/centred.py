@@ -75,9 +75,10 @@ class CentredPrep:
     keys at a time into a caller's buffer (:mod:`probe.stats.paths.key_blocks`), and ``k̄`` comes
     from float64 sums over slabs of keys."""
 
-    def __init__(self, call: AttentionCall, valid: Optional[Tensor], step: int, blocked: bool = False,
+    def __init__(self, call: AttentionCall, valid: Optional[Tensor], blocked: bool = False,
                  block_bytes: int = 0, scratch: Optional[Scratch] = None):
         q, k = call.q, call.k
+        scratch = scratch or Scratch(0, q.device)  # its temporaries' buffers (probe.stats.buffers)
         batch, heads, length, dim = q.shape
         kv, keys = k.shape[1], k.shape[2]
         g = heads // kv
@@ -101,7 +102,7 @@ class CentredPrep:
             # copy of Hugging Face's transposed k keeps its order (7 times faster than writing
             # it transposed), and products take a transposed operand as it is
             shape = (batch, kv, keys, dim)
-            rows_k = torch.empty(shape, device=q.device) if scratch is None else scratch.get("kt", shape)
+            rows_k = scratch.get("kt", shape)
             rows_k.copy_(k)  # k is copied first and centred there: no other k-sized temporary
             if w is None:
                 mean = rows_k.mean(-2, keepdim=True)
@@ -127,8 +128,7 @@ class CentredPrep:
         for r0 in range(0, length, block):
             rows_q = q[:, :, r0 : r0 + block]
             shape = (batch, heads, rows_q.shape[2], dim)
-            diff = torch.sub(rows_q, qbar, out=torch.empty(shape, device=q.device) if scratch is None
-                             else scratch.get("qd", shape))  # the one temporary
+            diff = torch.sub(rows_q, qbar, out=scratch.get("qd", shape))  # the one temporary
             part = torch.matmul(diff, kq_t).squeeze(-1)
             torch.add(base, part, out=self.shift[:, :, r0 : r0 + block])
         if call.causal:
@@ -224,9 +224,9 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
     keys = call.k.shape[2]
     device = q.device
     scratch = scratch or Scratch(0, device)
-    prep = CentredPrep(call, valid, step, scratch=scratch)
+    prep = CentredPrep(call, valid, scratch=scratch)
     assert prep.kt is not None
-    lower = upper = None
+    lower = upper = torch.empty(0, device=device)
     if call.causal:  # the diagonal block's mask: 1 / 0 (zeroes C above the diagonal), 0 / NEG
         above = torch.ones(step, step, dtype=torch.bool, device=device).triu(1)
         lower = (~above).float()
@@ -269,13 +269,11 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
                          out=C.view(batch, prep.kv, prep.g * rows, cols))
         else:
             torch.matmul(qc, prep.kt[..., :cols], out=C)
-        diag = None
-        if lower is not None and upper is not None and cols > r0:
-            # only the causal block is masked: zeroed for ‖C‖², NEG for the max
-            diag = C[..., r0:]
+        diag = C[..., r0:] if call.causal and cols > r0 else None
+        if diag is not None:  # only the causal block is masked: zeroed for ‖C‖², NEG for the max
             diag.mul_(lower[:rows, : cols - r0])
         sq = torch.linalg.vector_norm(C, dim=-1)
-        if diag is not None and upper is not None:
+        if diag is not None:
             diag.add_(upper[:rows, : cols - r0])
         if prep.keybias is not None and (every or call.causal):
             C.add_(prep.keybias[..., :cols])

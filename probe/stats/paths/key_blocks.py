@@ -62,10 +62,10 @@ def blocked_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
     batch, heads, length, dim = q.shape
     keys = call.k.shape[2]
     device = q.device
-    prep = CentredPrep(call, valid, 0, blocked=True, block_bytes=min(PREP_BYTES, budget_bytes // 16))
+    scratch = scratch or Scratch(0, device)  # the blocks' buffers (probe.stats.buffers)
+    prep = CentredPrep(call, valid, blocked=True, block_bytes=min(PREP_BYTES, budget_bytes // 16), scratch=scratch)
     kv, causal = prep.kv, call.causal
     width, rows = _block_shape(batch, heads, kv, dim, length, keys, budget_bytes)
-    scratch = scratch or Scratch(0, device)  # the blocks' buffers (probe.stats.buffers)
     kbuf = scratch.get("kt", (batch * kv * dim * width,))
     cbuf = scratch.get("R", (batch * heads * rows * width,))
     csum = torch.zeros(batch, heads, length, dtype=torch.float64, device=device)
