@@ -40,6 +40,11 @@ __all__ = ["GradHooks", "Recorder", "SiteInfo", "SiteKey", "grad_scales"]
 SiteKey = Tuple[str, int]  # (module name, call index within one invocation)
 
 
+#: The share of ``memory_budget`` that a step's forwards may keep for their backward (the sampled
+#: rows' exponentials, :attr:`probe.stats.plan.CallPlan.carry`), all calls of the step together.
+KEEP_SHARE = 0.5
+
+
 @dataclasses.dataclass
 class SiteInfo:
     """What is known about one site (reported as ``summary.info(site)``).
@@ -128,6 +133,7 @@ class Recorder:
         self.window: List[int] = []  # sampled steps whose statistics sit in the accumulator
         self._grad_step: Dict[Hashable, int] = {}  # per site, the last step whose backward was counted
         self.step = 0
+        self._kept = (0, 0)  # (step, bytes its forwards kept for their backward: _forward_fields)
         self.emitted = 0  # attention calls seen, to detect a compiled graph that hides them
         self.grad_hooks = GradHooks(self._add_grads, warn, self.site_name)
         self._warn_unknown_scale = WarnOnce()
@@ -199,7 +205,9 @@ class Recorder:
         rows = None if self.rows is None or length <= self.rows else self._sample(call.site, length)
         key = (name, index)
         try:
-            call, scales, fields, stats_plan = self._forward_fields(call, key, scales, rows)
+            backward = self.grads and torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (call.q, call.k, call.v))
+            call, scales, fields, stats_plan = self._forward_fields(call, key, scales, rows, backward)
         except Exception as err:  # noqa: BLE001 - a record probe cannot measure is named, never fatal
             self._warn_failed(call.site, f"probe: the attention at site {call.site!r} is NOT measured: its "
                               f"statistics failed ({type(err).__name__}: {err}); please report the model "
@@ -251,25 +259,33 @@ class Recorder:
         if self.grads and calls:
             self.grad_hooks.watch_backward(output, step)  # whether a backward ran: missing gradients named after it
 
-    def _forward_fields(self, call: AttentionCall, key: SiteKey, scales: Dict[str, Scale], rows: Optional[Tensor]
-                        ) -> Tuple[AttentionCall, Dict[str, Scale], State, CallPlan]:
+    def _forward_fields(self, call: AttentionCall, key: SiteKey, scales: Dict[str, Scale], rows: Optional[Tensor],
+                        backward: bool = False) -> Tuple[AttentionCall, Dict[str, Scale], State, CallPlan]:
         """(record, scales, forward fields, plan) of one call: from its own logits (scale
         unknown), from the record once it is checked against the model, or from the model's own
         probabilities when it does not match (no scale then: no counterfactual, no grad_logits).
         The plan (probe.stats.plan: path, scale groups, sampled rows) is made once and carried to
-        the call's backward."""
+        the call's backward. ``backward``: a backward is expected, so the forward may keep its
+        sampled rows' exponentials for it (``plan.carry``), within :data:`KEEP_SHARE` of
+        ``memory_budget`` over the step's calls (the backward takes them, or they go with the
+        step's hooks)."""
+        spent = self._kept[1] if self._kept[0] == self.step else 0
+        keep_bytes = max(0, int(self.memory_budget * KEEP_SHARE) - spent) if backward else 0
         with torch.no_grad():
             if call.logits is not None or call.scale_unknown is not None:
                 self._warn_unknown(call)  # `actual` only (an eager softmax input when its scale is unknown)
             # the mask simplified in the plan (a float mask as a boolean one, HF's (B, 1, L, S)
             # mask as causal + key padding): the statistics take their fast paths, and the
             # backward's record holds the small key mask instead of the model's L × S one
-            call, stats_plan = plan_call(call, scales, self.memory_budget, rows)
+            call, stats_plan = plan_call(call, scales, self.memory_budget, rows, keep_bytes=keep_bytes)
             # the record checked against what the model computed (probe.session.verify)
             if (call.logits is None and self.verifier.verify(key, call, self.step) is not None
                     and self.verifier.unverified(key)):
                 return call, {}, self.verifier.fallback_fields(call, self.saturation), stats_plan
-            return call, scales, forward_fields(call, stats_plan, self.saturation), stats_plan
+            fields = forward_fields(call, stats_plan, self.saturation)
+            if stats_plan.carry:
+                self._kept = (self.step, spent + stats_plan.kept_bytes(*call.q.shape[:2]))
+            return call, scales, fields, stats_plan
 
     def _sample(self, site: str, length: int) -> Tensor:
         """The stratified query positions of one call (probe.stats.sampling), seeded by the site,

@@ -40,7 +40,7 @@ from probe.stats.chunks import MASK_BIAS, accumulation_dtype, cache_chunk_rows, 
 from probe.stats.masks import key_validity, simplify
 from probe.stats.sampling import Design, row_design, sample_rows
 
-__all__ = ["LOGIT_BOUND", "PATHS", "SAMPLED_BYTES", "CallPlan", "absmax", "backward_step", "blocked_keys",
+__all__ = ["LOGIT_BOUND", "PATHS", "KEEP_EXPS_BYTES", "SAMPLED_BYTES", "CallPlan", "absmax", "backward_step", "blocked_keys",
            "chunk_picks", "group_scales", "inputs_finite", "plan_call", "proven_finite", "shiftable"]
 
 PATHS = ("centred", "key_blocks", "shifted", "general", "logits")
@@ -51,6 +51,11 @@ LOGIT_BOUND = 2.0**90
 
 #: Bytes of the centred path's buffer of gathered sampled rows (and of their exponentials').
 SAMPLED_BYTES = 8 * 2**20
+
+#: Bytes of the sampled rows' exponentials one call's forward may keep for its backward
+#: (:attr:`CallPlan.carry`; all scales together). The callers bound the total over a step
+#: (:mod:`probe.session.recorder`: half of ``memory_budget``).
+KEEP_EXPS_BYTES = 8 * 2**20
 
 # (B, H, rows, S) float32 buffers a backward chunk keeps alive (R, dP, e, a product, masks, the
 # next chunk's rows); 8 leaves a margin (measured at L = 8192: about 6 buffers' worth of peak).
@@ -76,6 +81,11 @@ class CallPlan:
         budget_bytes: ``memory_budget``.
         valid, causal: the centred paths' valid keys ``(b, h, S)`` (``None``: all) and causality.
         proven, bias_masks: the general path's facts (:func:`proven_finite`).
+        keep: whether the forward keeps the sampled rows' exponentials for the backward
+            (:meth:`kept_bytes`; set by the caller that will hook the backward, within its budget).
+        carry: what the forward left for the backward (``"exps"``: each scale's sampled rows'
+            exponentials and their sums, :mod:`probe.stats.paths.centred`); the backward takes it
+            out, so a plan holds it from the call's forward to its backward at most.
     """
 
     path: str
@@ -92,6 +102,16 @@ class CallPlan:
     proven: bool = False
     bias_masks: bool = True
     design: Optional[Design] = None
+    keep: bool = False
+    carry: Dict[str, Tuple[Tensor, ...]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def kept_bytes(self, batch: int, heads: int) -> int:
+        """Bytes the forward would keep for the backward: each distinct scale's exponentials of
+        the sampled rows over every key (only the centred path with sampled rows keeps them;
+        0 elsewhere)."""
+        if self.path != "centred" or self.positions is None:
+            return 0
+        return len(self.values) * batch * heads * int(self.positions.shape[0]) * self.keys * 4
 
     @property
     def floats(self) -> List[float]:
@@ -135,8 +155,8 @@ def shiftable(call: AttentionCall, values: Sequence[Optional[Scale]]) -> bool:
 
 
 def plan_call(call: AttentionCall, scales: Mapping[str, Optional[Scale]], budget_bytes: int = 64 * 2**20,
-              rows: Union[None, int, Tensor] = None, generator: Optional[torch.Generator] = None
-              ) -> Tuple[AttentionCall, CallPlan]:
+              rows: Union[None, int, Tensor] = None, generator: Optional[torch.Generator] = None,
+              keep_bytes: int = 0) -> Tuple[AttentionCall, CallPlan]:
     """The call with its mask simplified (:func:`~probe.stats.masks.simplify`) and its plan.
 
     Args:
@@ -147,6 +167,9 @@ def plan_call(call: AttentionCall, scales: Mapping[str, Optional[Scale]], budget
         rows: ``None``, a budget ``N`` of sampled rows (drawn with ``generator`` by
             :func:`~probe.stats.sampling.sample_rows` when ``N < L``) or sorted positions.
         generator: the CPU generator for ``rows=N``.
+        keep_bytes: how much the forward may keep for the call's backward (0: nothing, the
+            backward recomputes): the plan keeps the sampled rows' exponentials when they fit in
+            it and in :data:`KEEP_EXPS_BYTES` (``plan.keep``, :meth:`CallPlan.kept_bytes`).
     """
     batch, heads, length, _ = call.q.shape
     keys = call.k.shape[2]
@@ -171,8 +194,12 @@ def plan_call(call: AttentionCall, scales: Mapping[str, Optional[Scale]], budget
     if not supported:
         return call, CallPlan("shifted", step=step, **common)  # type: ignore[arg-type]
     blocked = blocked_keys(call, valid, step, None if positions is None else positions.shape[0], budget_bytes)
-    return call, CallPlan("key_blocks" if blocked else "centred", step=step, valid=valid, causal=causal,  # type: ignore[arg-type]
-                          **common)
+    plan = CallPlan("key_blocks" if blocked else "centred", step=step, valid=valid, causal=causal,  # type: ignore[arg-type]
+                    **common)
+    kept = plan.kept_bytes(batch, heads)
+    if 0 < kept <= min(keep_bytes, KEEP_EXPS_BYTES):
+        plan = dataclasses.replace(plan, keep=True)
+    return call, plan
 
 
 def _positions(rows: Union[None, int, Tensor], length: int, generator: Optional[torch.Generator]) -> Optional[Tensor]:

@@ -207,8 +207,8 @@ def row_sums(prep: CentredPrep, q: Tensor, scratch: Scratch) -> Tensor:
 
 
 def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[float], step: int,
-                  picks: Sequence[Optional[Tensor]], scratch: Optional[Scratch] = None
-                  ) -> Tuple[List[Tensor], List[Tensor]]:
+                  picks: Sequence[Optional[Tensor]], scratch: Optional[Scratch] = None,
+                  keep: Optional[List[Tuple[int, Tensor]]] = None) -> Tuple[List[Tensor], List[Tensor]]:
     """Per-row sums of the centred path (module docstring): ``exact = [n, r, μ, M2, 0]`` for every
     row (:func:`exact_rows`) and ``soft = [n, r, Σe_1, Σe·D_1, …]`` for the rows ``picks`` (as
     :func:`~probe.stats.paths.shifted.chunk_sums` returns them; :func:`to_rows` takes both).
@@ -217,7 +217,10 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
     padded keys masked where the module docstring says). The sampled rows (``picks``, local indices per chunk) are copied out
     and their exponentials computed once after the loop; with ``picks`` all ``None`` (every row)
     each chunk's exponentials run while it is in cache. ``scratch``: the call's buffers
-    (:mod:`probe.stats.buffers`).
+    (:mod:`probe.stats.buffers`). ``keep``: a list that receives, for the backward
+    (:func:`probe.stats.paths.shifted.grad_rows`), each batch of sampled rows' exponentials as
+    ``(first row, (G, B, H, rows, keys seen) tensor)``, every scale's, in the rows' order: a causal
+    batch spans the keys of its last chunk only (beyond a row's own chunk its entries are 0).
     """
     q = call.q
     batch, heads, length, dim = q.shape
@@ -245,18 +248,25 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
     parts: List[Tensor] = []
     soft_parts: List[Tensor] = []
     used = 0  # sampled rows gathered in the buffer
+    done = 0  # sampled rows whose exponentials ran
     cmax_parts: List[Tensor] = []  # their amax, until their exponentials run
 
     def flush(cols: int) -> None:  # the gathered rows' exponentials, over the keys seen so far
-        nonlocal used, cmax_parts
+        nonlocal used, done, cmax_parts
         top = torch.cat(cmax_parts, dim=-1) if len(cmax_parts) > 1 else cmax_parts[0]
         D = sampled[:, :, :used, :cols]
         if prep.keybias is not None and not call.causal:  # masked keys: 0 in C, NEG here
             D.add_(prep.keybias[..., :cols])
         D.sub_(torch.where(top <= NEG / 2, 0.0, top).unsqueeze(-1))
-        soft_parts.append(torch.stack(exp_sums(D, D, scales, e_buf[: D.numel()].view(D.shape))))
+        if keep is None:
+            soft_parts.append(torch.stack(exp_sums(D, D, scales, e_buf[: D.numel()].view(D.shape))))
+        else:  # the exponentials go where the backward finds them: one tensor per batch of rows
+            kept = torch.empty((len(scales),) + tuple(D.shape), device=device)
+            soft_parts.append(torch.stack(exp_sums(D, D, scales, kept, e_buf[: D.numel()].view(D.shape))))
+            keep.append((done, kept))
         if call.causal:  # the buffer is reused: keys beyond a later row's chunk stay masked
             D.fill_(NEG)
+        done += used
         used, cmax_parts = 0, []
     for index, r0 in enumerate(range(0, length, step)):
         r1 = min(length, r0 + step)
@@ -341,5 +351,8 @@ def forward_rows(call: AttentionCall, plan: CallPlan, scratch: Scratch) -> Rows:
     """The centred path's :class:`Rows` in chunks of ``plan.step`` query rows (the call causal
     also when its mask held the causal pattern: ``plan.causal``)."""
     call = dataclasses.replace(call, causal=plan.causal)
-    exact, soft = centred_rows(call, plan.valid, plan.floats, plan.step, chunk_picks(call, plan)[1], scratch)
+    keep: Optional[List[Tuple[int, Tensor]]] = [] if plan.keep else None
+    exact, soft = centred_rows(call, plan.valid, plan.floats, plan.step, chunk_picks(call, plan)[1], scratch, keep)
+    if keep:  # the sampled rows' exponentials and each row's Σe, (G, B, H, N), for the backward
+        plan.carry["exps"] = (keep, torch.stack(soft[2::2]))
     return to_rows(exact, soft, plan.floats)

@@ -150,6 +150,9 @@ def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scratc
     if call.causal:  # the last query of each chunk, on the host
         ends = [min(total, r0 + step) - 1 for r0 in starts]
         last = ends if positions is None else [int(positions[i]) for i in ends]
+    kept = plan.carry.pop("exps", None)  # taken: a second backward through the call recomputes
+    if kept is not None and positions is not None:
+        return _kept_rows(call, plan, dp, scratch, kept, step)
     block = call.causal and call.mask is None and positions is None
     upper = causal_upper(step, call.q.device) if block else None
     per_row: List[List[Tensor]] = [[] for _ in plan.values]
@@ -176,4 +179,36 @@ def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scratc
             g2 = torch.linalg.vector_norm(u.addcmul_(e, c, value=-1), dim=-1).square() / se.square()
             per_row[i].append(torch.where(se == 0, 0.0, g2))
         r0 += rows
+    return torch.stack([torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0] for parts in per_row])
+
+
+def _kept_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scratch,
+               kept: Tuple[List[Tuple[int, Tensor]], Tensor], step: int) -> Tensor:
+    """:func:`grad_rows` of the sampled rows from the exponentials their forward kept
+    (``kept = (batches, Σe)``: ``(first row, (G, B, H, rows, keys))`` per batch of rows and
+    ``(G, B, H, N)``, :func:`probe.stats.paths.centred.centred_rows`): per chunk of ``step`` rows
+    of a batch only ``dP`` is formed over the batch's keys, then per scale
+    ``‖e ⊙ (dP − c)‖² / (Σe)²``. No ``q·kᵀ``, mask, max or exponential: ``e`` is 0 on masked keys
+    and on a causal row's later keys."""
+    batches, sums = kept
+    positions = plan.positions
+    assert positions is not None
+    picked = positions.to(call.q.device, non_blocking=True)
+    batch, heads = call.q.shape[:2]
+    per_row: List[List[Tensor]] = [[] for _ in plan.values]
+    for first, exps in batches:
+        rows_b, cols = exps.shape[3], exps.shape[4]
+        for s0 in range(0, rows_b, step):
+            rows = min(rows_b, s0 + step) - s0
+            r0 = first + s0
+            shape = (batch, heads, rows, cols)
+            dP, t = scratch.get("dp", shape), scratch.get("t", shape)
+            dp.into(dP, r0, rows, cols, picked)
+            for i in range(len(plan.values)):
+                e = exps[i, :, :, s0 : s0 + rows]
+                se = sums[i, :, :, r0 : r0 + rows]
+                u = torch.mul(e, dP, out=t)  # e ⊙ dP, then e ⊙ (dP − c) = u − c·e in place
+                c = u.sum(-1, keepdim=True) / se.unsqueeze(-1)
+                g2 = torch.linalg.vector_norm(u.addcmul_(e, c, value=-1), dim=-1).square() / se.square()
+                per_row[i].append(torch.where(se == 0, 0.0, g2))
     return torch.stack([torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0] for parts in per_row])

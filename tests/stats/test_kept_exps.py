@@ -1,0 +1,157 @@
+"""The sampled rows' exponentials kept from the forward for the backward (``plan.keep``): the
+same ``grad_logits`` as recomputing them, used when kept, taken by the backward, and bounded."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import probe
+import probe.session.recorder as recorder
+import probe.stats.plan as plan_module
+from probe.call import AttentionCall
+from probe.stats.backward import grad_logits_stats
+from probe.stats.forward import forward_fields
+from probe.stats.paths import centred, shifted
+from probe.stats.plan import plan_call
+
+SCALES = {"actual": 0.5, "none": 1.0, "standard": 8**-0.5}
+
+
+def _case(length, causal, padded, kv_heads, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 6, length, 8, generator=gen) * 1.5
+    k, v = (torch.randn(2, kv_heads, length, 8, generator=gen) for _ in range(2))
+    dout = torch.randn(2, 6, length, 8, generator=gen)
+    mask = None
+    if padded:
+        mask = torch.ones(2, 1, 1, length, dtype=torch.bool)
+        mask[1, ..., length - 7 :] = False
+    return AttentionCall(q=q, k=k, v=v, scale=0.5, causal=causal, mask=mask), dout
+
+
+def _planned(call, positions, keep_bytes):
+    # chunks of 8 rows, so that causal calls gather their rows in several batches
+    call, plan = plan_call(call, SCALES, 2**20, positions, keep_bytes=keep_bytes)
+    return call, dataclasses.replace(plan, step=8)
+
+
+@pytest.mark.parametrize("causal,padded,kv_heads", [(False, False, 6), (False, True, 2), (True, False, 3), (True, True, 3)])
+def test_kept_exponentials_give_the_recomputed_gradients(monkeypatch, causal, padded, kv_heads):
+    monkeypatch.setattr(centred, "_FLUSH_ROWS", 3)  # causal: a batch of rows once 3 are gathered
+    call, dout = _case(40, causal, padded, kv_heads)
+    positions = torch.tensor([0, 3, 4, 9, 17, 18, 25, 31, 38, 39])
+    call, kept = _planned(call, positions, keep_bytes=2**30)
+    assert kept.path == "centred" and kept.keep and kept.step < 40
+    forward_fields(call, kept)
+    batches, sums = kept.carry["exps"]
+    assert sum(e.shape[3] for _, e in batches) == positions.shape[0] and sums.shape == (3, 2, 6, 10)
+    if causal:
+        assert len(batches) > 1  # rows gathered over several chunks, each batch over its keys
+    got = grad_logits_stats(call, dout, SCALES, plan=kept)
+    assert not kept.carry  # taken by the backward
+    _, plain = _planned(call, positions, keep_bytes=0)
+    assert not plain.keep
+    forward_fields(call, plain)
+    assert not plain.carry
+    want = grad_logits_stats(call, dout, SCALES, plan=plain)
+    assert set(got) == set(want) and any(k.startswith("grad_logits_var@") for k in got)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=0)
+    # a second backward through the same call recomputes: the same numbers
+    again = grad_logits_stats(call, dout, SCALES, plan=kept)
+    for key in want:
+        torch.testing.assert_close(again[key], want[key], rtol=1e-5, atol=0)
+
+
+def test_the_backward_uses_what_the_forward_kept():
+    """Kept exponentials doubled on one row batch change the result: the backward read them."""
+    call, dout = _case(40, True, True, 3)
+    positions = torch.tensor([2, 5, 11, 30])
+    call, kept = _planned(call, positions, keep_bytes=2**30)
+    forward_fields(call, kept)
+    honest = grad_logits_stats(call, dout, SCALES, plan=kept)
+    forward_fields(call, kept)
+    batches, sums = kept.carry["exps"]
+    batches[0][1].mul_(3.0)  # e three times larger, Σe as it was: ‖e ⊙ (dP − c)‖² / (Σe)² grows
+    tampered = grad_logits_stats(call, dout, SCALES, plan=kept)
+    assert (tampered["grad_logits_sq@actual"] > 1.5 * honest["grad_logits_sq@actual"]).all()
+
+
+def test_a_plan_keeps_only_within_its_bounds(monkeypatch):
+    call, _ = _case(40, False, True, 2)
+    positions = torch.tensor([1, 7, 20])
+    _, plan = _planned(call, positions, keep_bytes=2**30)
+    need = plan.kept_bytes(2, 6)
+    assert need == 3 * 2 * 6 * 3 * 40 * 4  # three distinct scales (0.5, 1, 8**-0.5), every key
+    assert _planned(call, positions, keep_bytes=need)[1].keep
+    assert not _planned(call, positions, keep_bytes=need - 1)[1].keep
+    assert not _planned(call, None, keep_bytes=2**30)[1].keep  # every row: nothing to keep
+    monkeypatch.setattr(plan_module, "KEEP_EXPS_BYTES", need - 1)
+    assert not _planned(call, positions, keep_bytes=2**30)[1].keep
+    biased = AttentionCall(q=call.q, k=call.k, v=call.v, scale=0.5, bias=torch.zeros(1, 1, 40, 40))
+    assert not _planned(biased, positions, keep_bytes=2**30)[1].keep  # the general path keeps nothing
+
+
+class _Stack(nn.Module):
+    """Three causal SDPA calls on learned q, k, v (a backward reaches each)."""
+
+    def __init__(self, length=64):
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        self.qkv = nn.ParameterList(nn.Parameter(torch.randn(1, 4, length, 8, generator=gen)) for _ in range(9))
+
+    def forward(self):
+        out = 0.0
+        for i in range(3):
+            q, k, v = self.qkv[3 * i : 3 * i + 3]
+            out = out + F.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum()
+        return out
+
+
+def _grad_logits(monkeypatch, keep_limit, share=0.5, no_grad=False):
+    monkeypatch.setattr(plan_module, "KEEP_EXPS_BYTES", keep_limit)
+    monkeypatch.setattr(recorder, "KEEP_SHARE", share)
+    used = []
+    original = shifted._kept_rows
+    monkeypatch.setattr(shifted, "_kept_rows", lambda *a, **k: used.append(1) or original(*a, **k))
+    model = _Stack()
+    with probe.watch(model, rows=16, memory_budget=2**21) as p:
+        if no_grad:
+            with torch.no_grad():
+                model()
+        model().backward()
+    s = p.summary()
+    return {site: s.value(site, "grad_logits") for site in s.sites}, len(used)
+
+
+def test_the_recorder_keeps_within_its_share_of_the_memory_budget(monkeypatch):
+    # each call keeps 2 scales x 4 heads x 16 rows x 64 keys x 4 bytes = 32 KiB
+    plain, used = _grad_logits(monkeypatch, 0)
+    assert used == 0
+    every, used = _grad_logits(monkeypatch, 2**20)
+    assert used == 3
+    two, used = _grad_logits(monkeypatch, 2**20, share=2.5 * 32 * 2**10 / 2**21)  # room for two calls
+    assert used == 2
+    for site, value in plain.items():
+        torch.testing.assert_close(torch.as_tensor(every[site]), torch.as_tensor(value), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.as_tensor(two[site]), torch.as_tensor(value), rtol=1e-5, atol=0)
+        assert math.isfinite(float(value.sum()))
+
+
+def test_a_forward_without_grad_keeps_nothing(monkeypatch):
+    kept = []
+    original = plan_module.plan_call
+
+    def spy(*args, **kwargs):
+        kept.append(kwargs.get("keep_bytes", 0))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(recorder, "plan_call", spy)
+    _grad_logits(monkeypatch, 2**20, no_grad=True)
+    assert kept[:3] == [0, 0, 0] and all(b > 0 for b in kept[3:6])
