@@ -110,6 +110,8 @@ def forward_fields(call: AttentionCall, plan: CallPlan, saturation: float = 0.99
         rows: Rows = PATH_MODULES[plan.path].forward_rows(call, plan, scratch)
     finally:
         release(scratch)
+    if plan.keep and plan.positions is None:  # every row's max, for the backward (plan.kept_bytes)
+        plan.carry["rmax"] = rows.top
     # the logits path's forward takes every row (no design: its totals are sums)
     heads = reduce_rows(rows, saturation, plan.acc, None if plan.path == "logits" else plan.design)
     return _fields(heads, plan, call.q.shape[1])

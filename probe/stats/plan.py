@@ -30,7 +30,7 @@ import bisect
 import dataclasses
 import math
 import struct
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -57,6 +57,10 @@ SAMPLED_BYTES = 8 * 2**20
 #: (:mod:`probe.session.recorder`: half of ``memory_budget``).
 KEEP_EXPS_BYTES = 8 * 2**20
 
+#: Query rows per backward chunk at least (within the budget): wide calls' cache-sized chunks
+#: are a few rows each, and every chunk costs about 25 operations.
+BACKWARD_MIN_ROWS = 64
+
 # (B, H, rows, S) float32 buffers a backward chunk keeps alive (R, dP, e, a product, masks, the
 # next chunk's rows); 8 leaves a margin (measured at L = 8192: about 6 buffers' worth of peak).
 _BACKWARD_BUFFERS = 8
@@ -81,11 +85,12 @@ class CallPlan:
         budget_bytes: ``memory_budget``.
         valid, causal: the centred paths' valid keys ``(b, h, S)`` (``None``: all) and causality.
         proven, bias_masks: the general path's facts (:func:`proven_finite`).
-        keep: whether the forward keeps the sampled rows' exponentials for the backward
-            (:meth:`kept_bytes`; set by the caller that will hook the backward, within its budget).
+        keep: whether the forward keeps what spares the backward work (:meth:`kept_bytes`; set
+            by the caller that will hook the backward, within its budget).
         carry: what the forward left for the backward (``"exps"``: each scale's sampled rows'
-            exponentials and their sums, :mod:`probe.stats.paths.centred`); the backward takes it
-            out, so a plan holds it from the call's forward to its backward at most.
+            exponentials and their sums, :mod:`probe.stats.paths.centred`; ``"rmax"``: every
+            row's max logit, ``(B, H, L)``); the backward takes it out, so a plan holds it from
+            the call's forward to its backward at most.
     """
 
     path: str
@@ -103,13 +108,18 @@ class CallPlan:
     bias_masks: bool = True
     design: Optional[Design] = None
     keep: bool = False
-    carry: Dict[str, Tuple[Tensor, ...]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    carry: Dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def kept_bytes(self, batch: int, heads: int) -> int:
-        """Bytes the forward would keep for the backward: each distinct scale's exponentials of
-        the sampled rows over every key (only the centred path with sampled rows keeps them;
-        0 elsewhere)."""
-        if self.path != "centred" or self.positions is None:
+        """Bytes the forward would keep for the backward (``carry``): on the centred path with
+        sampled rows each distinct scale's exponentials of those rows over every key
+        (``"exps"``); on the centred paths with every row each row's max (``"rmax"``, which
+        spares the backward its ``amax`` and shift); 0 elsewhere."""
+        if self.path not in ("centred", "key_blocks"):
+            return 0
+        if self.positions is None:
+            return batch * heads * self.length * 4
+        if self.path != "centred":
             return 0
         return len(self.values) * batch * heads * int(self.positions.shape[0]) * self.keys * 4
 
@@ -168,8 +178,8 @@ def plan_call(call: AttentionCall, scales: Mapping[str, Optional[Scale]], budget
             :func:`~probe.stats.sampling.sample_rows` when ``N < L``) or sorted positions.
         generator: the CPU generator for ``rows=N``.
         keep_bytes: how much the forward may keep for the call's backward (0: nothing, the
-            backward recomputes): the plan keeps the sampled rows' exponentials when they fit in
-            it and in :data:`KEEP_EXPS_BYTES` (``plan.keep``, :meth:`CallPlan.kept_bytes`).
+            backward recomputes): the plan keeps what :meth:`CallPlan.kept_bytes` names when it
+            fits in it and in :data:`KEEP_EXPS_BYTES` (``plan.keep``).
     """
     batch, heads, length, _ = call.q.shape
     keys = call.k.shape[2]
@@ -245,7 +255,8 @@ def backward_step(call: AttentionCall, plan: CallPlan) -> int:
     if plan.positions is not None and plan.path in ("centred", "key_blocks", "shifted"):
         share //= 4
     per_row = max(1, batch * heads * plan.keys * 4 * _BACKWARD_BUFFERS)
-    return max(1, min(max(1, share // per_row), cache_chunk_rows(batch, heads, plan.keys), total))
+    near_cache = max(BACKWARD_MIN_ROWS, cache_chunk_rows(batch, heads, plan.keys))
+    return max(1, min(max(1, share // per_row), near_cache, total))
 
 
 def blocked_keys(call: AttentionCall, valid: Optional[Tensor], step: int, picks: Optional[int],

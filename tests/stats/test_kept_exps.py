@@ -1,5 +1,6 @@
-"""The sampled rows' exponentials kept from the forward for the backward (``plan.keep``): the
-same ``grad_logits`` as recomputing them, used when kept, taken by the backward, and bounded."""
+"""What the forward keeps for the backward (``plan.keep``): the sampled rows' exponentials, or
+with every row each row's max. The same ``grad_logits`` as recomputing, used when kept, taken by
+the backward, and bounded."""
 
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def test_a_plan_keeps_only_within_its_bounds(monkeypatch):
     assert need == 3 * 2 * 6 * 3 * 40 * 4  # three distinct scales (0.5, 1, 8**-0.5), every key
     assert _planned(call, positions, keep_bytes=need)[1].keep
     assert not _planned(call, positions, keep_bytes=need - 1)[1].keep
-    assert not _planned(call, None, keep_bytes=2**30)[1].keep  # every row: nothing to keep
+    every = _planned(call, None, keep_bytes=2**30)[1]  # every row: only each row's max
+    assert every.keep and every.kept_bytes(2, 6) == 2 * 6 * 40 * 4
     monkeypatch.setattr(plan_module, "KEEP_EXPS_BYTES", need - 1)
     assert not _planned(call, positions, keep_bytes=2**30)[1].keep
     biased = AttentionCall(q=call.q, k=call.k, v=call.v, scale=0.5, bias=torch.zeros(1, 1, 40, 40))
@@ -155,3 +157,24 @@ def test_a_forward_without_grad_keeps_nothing(monkeypatch):
     monkeypatch.setattr(recorder, "plan_call", spy)
     _grad_logits(monkeypatch, 2**20, no_grad=True)
     assert kept[:3] == [0, 0, 0] and all(b > 0 for b in kept[3:6])
+
+
+@pytest.mark.parametrize("causal,padded,kv_heads", [(False, True, 2), (True, False, 3), (True, True, 6)])
+def test_every_row_backward_takes_the_forwards_row_max(causal, padded, kv_heads):
+    call, dout = _case(40, causal, padded, kv_heads)
+    call, kept = _planned(call, None, keep_bytes=2**30)
+    assert kept.keep and kept.kept_bytes(2, 6) == 2 * 6 * 40 * 4
+    forward_fields(call, kept)
+    assert set(kept.carry) == {"rmax"} and kept.carry["rmax"].shape == (2, 6, 40)
+    got = grad_logits_stats(call, dout, SCALES, plan=kept)
+    assert not kept.carry
+    _, plain = _planned(call, None, keep_bytes=0)
+    forward_fields(call, plain)
+    want = grad_logits_stats(call, dout, SCALES, plan=plain)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=0)
+    # the backward shifts by the kept max: far above every logit, every exponential underflows
+    forward_fields(call, kept)
+    kept.carry["rmax"].add_(1e4)
+    shifted_far = grad_logits_stats(call, dout, SCALES, plan=kept)
+    assert (shifted_far["grad_logits_sq@actual"] == 0).all() and (want["grad_logits_sq@actual"] > 0).all()

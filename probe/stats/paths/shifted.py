@@ -153,6 +153,9 @@ def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scratc
     kept = plan.carry.pop("exps", None)  # taken: a second backward through the call recomputes
     if kept is not None and positions is not None:
         return _kept_rows(call, plan, dp, scratch, kept, step)
+    # every row's max from the forward (proven-finite inputs): no amax, and the shift folds into
+    # each scale's product, σ·log2(e)·R − σ·log2(e)·r
+    rmax = plan.carry.pop("rmax", None) if positions is None else None
     block = call.causal and call.mask is None and positions is None
     upper = causal_upper(step, call.q.device) if block else None
     per_row: List[List[Tensor]] = [[] for _ in plan.values]
@@ -168,10 +171,16 @@ def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scratc
         # on CPUs; then an added mask is cheaper (mask_)
         finite = valid is not None and (proven or all_finite(R))
         mask_(R, valid, None if upper is None else (r0, upper), finite)
-        rmax = R.amax(-1, keepdim=True)
-        D = R.sub_(torch.where(rmax == -math.inf, 0.0, rmax))
+        if rmax is None:
+            top = R.amax(-1, keepdim=True)
+            D = R.sub_(torch.where(top == -math.inf, 0.0, top))
+        else:
+            D, top = R, rmax[:, :, r0 : r0 + rows].unsqueeze(-1)
         for i, sigma in enumerate(plan.floats):
-            torch.mul(D, sigma * LOG2E, out=e).exp2_()
+            if rmax is None:
+                torch.mul(D, sigma * LOG2E, out=e).exp2_()
+            else:
+                torch.add(top * (-sigma * LOG2E), D, alpha=sigma * LOG2E, out=e).exp2_()
             se = e.sum(-1, keepdim=True)
             u = torch.mul(e, dP, out=t)  # e ⊙ dP, then e ⊙ (dP − c) = u − c·e in place
             c = u.sum(-1, keepdim=True) / se

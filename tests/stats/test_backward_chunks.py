@@ -1,0 +1,35 @@
+"""Backward chunk lengths: at least BACKWARD_MIN_ROWS rows for wide calls, within the budget."""
+
+from __future__ import annotations
+
+import torch
+
+from probe.call import AttentionCall
+from probe.stats.chunks import cache_chunk_rows
+from probe.stats.plan import _BACKWARD_BUFFERS, BACKWARD_MIN_ROWS, backward_step, plan_call
+
+
+def _call(length, keys, heads=8):
+    q = torch.randn(1, heads, length, 32)
+    k = v = torch.randn(1, 2, keys, 32)
+    return AttentionCall(q=q, k=k, v=v, scale=32**-0.5, causal=True)
+
+
+def test_wide_calls_take_at_least_the_minimum_rows():
+    call, plan = plan_call(_call(1024, 1024), {"actual": 32**-0.5})
+    assert cache_chunk_rows(1, 8, 1024) < BACKWARD_MIN_ROWS  # a cache-sized chunk would be 32 rows
+    assert backward_step(call, plan) == BACKWARD_MIN_ROWS
+
+
+def test_the_budget_still_bounds_the_chunk():
+    budget = 2**20  # 8 buffers of 8 heads x 1024 keys: 4 rows fit
+    call, plan = plan_call(_call(1024, 1024), {"actual": 32**-0.5}, budget)
+    step = backward_step(call, plan)
+    assert step * 8 * 1024 * 4 * _BACKWARD_BUFFERS <= budget and step == 4
+
+
+def test_never_more_rows_than_there_are():
+    call, plan = plan_call(_call(20, 1024), {"actual": 32**-0.5})
+    assert backward_step(call, plan) == 20
+    call, plan = plan_call(_call(1024, 1024), {"actual": 32**-0.5}, rows=torch.tensor([3, 9, 500]))
+    assert backward_step(call, plan) == 3
