@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -62,29 +62,40 @@ def sample_rows(length: int, rows: int, generator: Optional[torch.Generator] = N
     stratified design (module docstring); every position when ``rows >= length``.
 
     Drawn on the CPU in ``O(rows)`` (``generator`` is a CPU generator; the same generator state
-    gives the same positions) and moved to ``device`` without waiting.
+    gives the same positions) and moved to ``device`` without waiting. The draws are torch's
+    (one ``rand`` for the pairs, a ``randperm`` for a stratum of another count); the positions are
+    made from them on the host, a few dozen tensor operations fewer per call.
     """
     if rows >= length:
         idx = torch.arange(length)
     else:
-        sizes, drawn = strata_sizes(length, rows)
-        starts = torch.cumsum(sizes, 0) - sizes
-        parts = []
-        pairs = torch.nonzero(drawn == 2).squeeze(-1)
-        if pairs.numel():  # two distinct uniform positions per stratum: a of m, then b of the other m - 1
-            m = sizes[pairs].double()
-            u = torch.rand(pairs.shape[0], 2, generator=generator, dtype=torch.float64)
-            a = (u[:, 0] * m).long()
-            b = (u[:, 1] * (m - 1)).long()
-            b = b + (b >= a).long()
-            first = starts[pairs]
-            parts.append(torch.stack([first + torch.minimum(a, b), first + torch.maximum(a, b)], -1).reshape(-1))
-        for h in torch.nonzero(drawn != 2).squeeze(-1).tolist():  # the head (whole), or 1 or 3 draws
-            size, n = int(sizes[h]), int(drawn[h])
-            pick = torch.arange(size) if n == size else torch.randperm(size, generator=generator)[:n].sort().values
-            parts.append(int(starts[h]) + pick)
-        idx = torch.cat(parts).sort().values
+        pairs, others = _strata(length, rows)
+        picked: List[int] = []
+        if pairs:  # two distinct uniform positions per stratum: a of m, then b of the other m - 1
+            u = torch.rand(len(pairs), 2, generator=generator, dtype=torch.float64).tolist()
+            for (first, m), (u0, u1) in zip(pairs, u):
+                a, b = int(u0 * m), int(u1 * (m - 1))
+                b += b >= a
+                picked += (first + min(a, b), first + max(a, b))
+        for first, size, n in others:  # the head (whole), or 1 or 3 draws
+            if n == size:
+                picked.extend(range(first, first + size))
+            else:
+                picked.extend(first + p for p in torch.randperm(size, generator=generator)[:n].tolist())
+        idx = torch.tensor(sorted(picked), dtype=torch.int64)
     return idx.to(device, non_blocking=True) if device is not None else idx
+
+
+@functools.lru_cache(maxsize=64)
+def _strata(length: int, rows: int) -> Tuple[Tuple[Tuple[int, int], ...], Tuple[Tuple[int, int, int], ...]]:
+    """The design's strata as host numbers: ``(first position, size)`` of those drawing two, in
+    order, and ``(first, size, draws)`` of the others (the head, a stratum of one or three)."""
+    sizes, drawn = strata_sizes(length, rows)
+    starts = (torch.cumsum(sizes, 0) - sizes).tolist()
+    pairs, others = [], []
+    for first, size, n in zip(starts, sizes.tolist(), drawn.tolist()):
+        (pairs.append((first, size)) if n == 2 else others.append((first, size, n)))
+    return tuple(pairs), tuple(others)
 
 
 def row_design(positions: Union[Tensor, int], length: int) -> Design:
