@@ -84,7 +84,9 @@ class CallPlan:
         acc: the accumulation dtype.
         budget_bytes: ``memory_budget``.
         valid, causal: the centred paths' valid keys ``(b, h, S)`` (``None``: all) and causality.
-        proven, bias_masks: the general path's facts (:func:`proven_finite`).
+        proven, bias_masks: every logit is proven finite (the general path: at every scale,
+            with the bias, :func:`proven_finite`; the centred paths: :func:`inputs_finite`), and
+            whether the bias may mask a key (the general path's).
         keep: whether the forward keeps what spares the backward work (:meth:`kept_bytes`; set
             by the caller that will hook the backward, within its budget).
         carry: what the forward left for the backward (``"exps"``: each scale's sampled rows'
@@ -205,7 +207,7 @@ def plan_call(call: AttentionCall, scales: Mapping[str, Optional[Scale]], budget
         return call, CallPlan("shifted", step=step, **common)  # type: ignore[arg-type]
     blocked = blocked_keys(call, valid, step, None if positions is None else positions.shape[0], budget_bytes)
     plan = CallPlan("key_blocks" if blocked else "centred", step=step, valid=valid, causal=causal,  # type: ignore[arg-type]
-                    **common)
+                    proven=True, **common)
     kept = plan.kept_bytes(batch, heads)
     if 0 < kept <= min(keep_bytes, KEEP_EXPS_BYTES):
         plan = dataclasses.replace(plan, keep=True)

@@ -159,17 +159,23 @@ def test_a_forward_without_grad_keeps_nothing(monkeypatch):
     assert kept[:3] == [0, 0, 0] and all(b > 0 for b in kept[3:6])
 
 
-@pytest.mark.parametrize("causal,padded,kv_heads", [(False, True, 2), (True, False, 3), (True, True, 6)])
-def test_every_row_backward_takes_the_forwards_row_max(causal, padded, kv_heads):
+@pytest.mark.parametrize("causal,padded,kv_heads,path", [(False, True, 2, "centred"), (True, False, 3, "centred"),
+                                                          (True, True, 6, "centred"), (True, True, 3, "key_blocks"),
+                                                          (False, True, 2, "key_blocks")])
+def test_every_row_backward_takes_the_forwards_row_max(causal, padded, kv_heads, path):
     call, dout = _case(40, causal, padded, kv_heads)
-    call, kept = _planned(call, None, keep_bytes=2**30)
-    assert kept.keep and kept.kept_bytes(2, 6) == 2 * 6 * 40 * 4
+    if path == "centred":
+        call, kept = _planned(call, None, keep_bytes=2**30)
+    else:  # a budget small enough for blocks of keys
+        call, kept = plan_call(call, SCALES, 2**16, None, keep_bytes=2**30)
+    assert kept.path == path and kept.keep and kept.kept_bytes(2, 6) == 2 * 6 * 40 * 4
     forward_fields(call, kept)
     assert set(kept.carry) == {"rmax"} and kept.carry["rmax"].shape == (2, 6, 40)
     got = grad_logits_stats(call, dout, SCALES, plan=kept)
     assert not kept.carry
-    _, plain = _planned(call, None, keep_bytes=0)
+    plain = dataclasses.replace(kept, keep=False, carry={})
     forward_fields(call, plain)
+    assert not plain.carry
     want = grad_logits_stats(call, dout, SCALES, plan=plain)
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=0)

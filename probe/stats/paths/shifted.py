@@ -160,7 +160,6 @@ def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scratc
     upper = causal_upper(step, call.q.device) if block else None
     per_row: List[List[Tensor]] = [[] for _ in plan.values]
     picked = None if positions is None else positions.to(call.q.device, non_blocking=True)
-    proven = plan.path in ("centred", "key_blocks")
     r0 = 0
     for R, valid, _ in row_chunks(call, step, picked, last=last, causal_mask=not block, scratch=scratch):
         rows, cols = R.shape[2], R.shape[3]
@@ -169,7 +168,7 @@ def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scratc
         # finite: the centred paths' inputs were proven so (plan.inputs_finite; autograd forbids
         # changing q and k in place before the backward), else a sum of R proves the chunk finite
         # on CPUs; then an added mask is cheaper (mask_)
-        finite = valid is not None and (proven or all_finite(R))
+        finite = valid is not None and (plan.proven or all_finite(R))
         mask_(R, valid, None if upper is None else (r0, upper), finite)
         if rmax is None:
             top = R.amax(-1, keepdim=True)
