@@ -180,12 +180,7 @@ def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scratc
                 torch.mul(D, sigma * LOG2E, out=e).exp2_()
             else:
                 torch.add(top * (-sigma * LOG2E), D, alpha=sigma * LOG2E, out=e).exp2_()
-            se = e.sum(-1, keepdim=True)
-            u = torch.mul(e, dP, out=t)  # e ⊙ dP, then e ⊙ (dP − c) = u − c·e in place
-            c = u.sum(-1, keepdim=True) / se
-            se = se.squeeze(-1)
-            g2 = torch.linalg.vector_norm(u.addcmul_(e, c, value=-1), dim=-1).square() / se.square()
-            per_row[i].append(torch.where(se == 0, 0.0, g2))
+            per_row[i].append(_grad_sq(e, dP, e.sum(-1, keepdim=True), t))
         r0 += rows
     return torch.stack([torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0] for parts in per_row])
 
@@ -213,10 +208,17 @@ def _kept_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scrat
             dP, t = scratch.get("dp", shape), scratch.get("t", shape)
             dp.into(dP, r0, rows, cols, picked)
             for i in range(len(plan.values)):
-                e = exps[i, :, :, s0 : s0 + rows]
-                se = sums[i, :, :, r0 : r0 + rows]
-                u = torch.mul(e, dP, out=t)  # e ⊙ dP, then e ⊙ (dP − c) = u − c·e in place
-                c = u.sum(-1, keepdim=True) / se.unsqueeze(-1)
-                g2 = torch.linalg.vector_norm(u.addcmul_(e, c, value=-1), dim=-1).square() / se.square()
-                per_row[i].append(torch.where(se == 0, 0.0, g2))
+                se = sums[i, :, :, r0 : r0 + rows].unsqueeze(-1)
+                per_row[i].append(_grad_sq(exps[i, :, :, s0 : s0 + rows], dP, se, t))
     return torch.stack([torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0] for parts in per_row])
+
+
+def _grad_sq(e: Tensor, dP: Tensor, se: Tensor, t: Tensor) -> Tensor:
+    """Per row ``Σ_j (P_j (dP_j − c))² = ‖e ⊙ (dP − c)‖² / (Σe)²`` with ``c = Σ e·dP / Σe``, from
+    the exponentials ``e``, their row sums ``se`` ``(..., 1)`` and ``dP``; ``t``: a buffer of
+    ``e``'s shape. 0 on a row with ``Σe = 0`` (fully masked); a NaN row stays NaN."""
+    u = torch.mul(e, dP, out=t)  # e ⊙ dP, then e ⊙ (dP − c) = u − c·e in place
+    c = u.sum(-1, keepdim=True) / se
+    se = se.squeeze(-1)
+    g2 = torch.linalg.vector_norm(u.addcmul_(e, c, value=-1), dim=-1).square() / se.square()
+    return torch.where(se == 0, 0.0, g2)
