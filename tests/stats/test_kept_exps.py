@@ -20,20 +20,15 @@ from probe.stats.backward import grad_logits_stats
 from probe.stats.forward import forward_fields
 from probe.stats.paths import centred, shifted
 from probe.stats.plan import plan_call
+from probe.stats.sampling import row_design
+from tests.stats.test_rows_sampling_grads import _case as _grad_case
 
 SCALES = {"actual": 0.5, "none": 1.0, "standard": 8**-0.5}
 
 
 def _case(length, causal, padded, kv_heads, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, 6, length, 8, generator=gen) * 1.5
-    k, v = (torch.randn(2, kv_heads, length, 8, generator=gen) for _ in range(2))
-    dout = torch.randn(2, 6, length, 8, generator=gen)
-    mask = None
-    if padded:
-        mask = torch.ones(2, 1, 1, length, dtype=torch.bool)
-        mask[1, ..., length - 7 :] = False
-    return AttentionCall(q=q, k=k, v=v, scale=0.5, causal=causal, mask=mask), dout
+    """(call, ∂L/∂out, float64 per-row Σ(∂L/∂Z)² at the actual scale 0.5): the sampled-rows tests' case."""
+    return _grad_case(length, causal, padded, kv_heads, seed)
 
 
 def _planned(call, positions, keep_bytes):
@@ -45,7 +40,7 @@ def _planned(call, positions, keep_bytes):
 @pytest.mark.parametrize("causal,padded,kv_heads", [(False, False, 6), (False, True, 2), (True, False, 3), (True, True, 3)])
 def test_kept_exponentials_give_the_recomputed_gradients(monkeypatch, causal, padded, kv_heads):
     monkeypatch.setattr(centred, "_FLUSH_ROWS", 3)  # causal: a batch of rows once 3 are gathered
-    call, dout = _case(40, causal, padded, kv_heads)
+    call, dout, y = _case(40, causal, padded, kv_heads)
     positions = torch.tensor([0, 3, 4, 9, 17, 18, 25, 31, 38, 39])
     call, kept = _planned(call, positions, keep_bytes=2**30)
     assert kept.path == "centred" and kept.keep and kept.step < 40
@@ -56,6 +51,10 @@ def test_kept_exponentials_give_the_recomputed_gradients(monkeypatch, causal, pa
         assert len(batches) > 1  # rows gathered over several chunks, each batch over its keys
     got = grad_logits_stats(call, dout, SCALES, plan=kept)
     assert not kept.carry  # taken by the backward
+    # the float64 reference: the sampled rows' sums weighted by the design
+    weight = row_design(positions, 40)[0]
+    reference = (y[:, :, positions] * weight).sum((0, 2))
+    torch.testing.assert_close(got["grad_logits_sq@actual"], reference, rtol=1e-4, atol=0)
     _, plain = _planned(call, positions, keep_bytes=0)
     assert not plain.keep
     forward_fields(call, plain)
@@ -72,7 +71,7 @@ def test_kept_exponentials_give_the_recomputed_gradients(monkeypatch, causal, pa
 
 def test_the_backward_uses_what_the_forward_kept():
     """Kept exponentials doubled on one row batch change the result: the backward read them."""
-    call, dout = _case(40, True, True, 3)
+    call, dout, _ = _case(40, True, True, 3)
     positions = torch.tensor([2, 5, 11, 30])
     call, kept = _planned(call, positions, keep_bytes=2**30)
     forward_fields(call, kept)
@@ -85,7 +84,7 @@ def test_the_backward_uses_what_the_forward_kept():
 
 
 def test_a_plan_keeps_only_within_its_bounds(monkeypatch):
-    call, _ = _case(40, False, True, 2)
+    call, _, _ = _case(40, False, True, 2)
     positions = torch.tensor([1, 7, 20])
     _, plan = _planned(call, positions, keep_bytes=2**30)
     need = plan.kept_bytes(2, 6)
@@ -163,7 +162,7 @@ def test_a_forward_without_grad_keeps_nothing(monkeypatch):
                                                           (True, True, 6, "centred"), (True, True, 3, "key_blocks"),
                                                           (False, True, 2, "key_blocks")])
 def test_every_row_backward_takes_the_forwards_row_max(causal, padded, kv_heads, path):
-    call, dout = _case(40, causal, padded, kv_heads)
+    call, dout, _ = _case(40, causal, padded, kv_heads)
     if path == "centred":
         call, kept = _planned(call, None, keep_bytes=2**30)
     else:  # a budget small enough for blocks of keys
