@@ -102,20 +102,19 @@ def exact_pass(R: Tensor, masked: bool, finite: bool, n_row: Tensor, work: Tenso
     return D, D0, [rmax.squeeze(-1), D0.sum(-1), torch.linalg.vector_norm(D0, dim=-1).square(), bad]
 
 
-def exp_sums(D: Tensor, D0: Tensor, scales: Sequence[float], e: Tensor, work: Optional[Tensor] = None
+def exp_sums(D: Tensor, D0: Tensor, scales: Sequence[float], e: Tensor, keep: Optional[Tensor] = None
              ) -> List[Tensor]:
     """``[Σe_1, Σe·D_1, Σe_2, …]`` per row for ``e = exp(σD)`` at each positive scale, as
     ``exp2(σ·log2(e)·D)``; ``D ≤ 0`` shifted logits (masked entries ``−inf``, or a finite value far
     below every valid one), ``D0`` the same with masked entries 0 (may be ``D``), ``e`` a buffer of
-    their size, or of that size with a leading dimension, one per scale: then ``e[i]`` keeps scale
-    ``i``'s exponentials, and ``e·D`` goes to ``work`` (a buffer of ``D``'s size)."""
+    their size. ``keep``: ``(G, *D.shape)``, receives each scale's exponentials (``keep[i]``;
+    ``e`` then holds ``e·D``)."""
     sums = []
-    kept = e.dim() == D.dim() + 1
     for i, sigma in enumerate(scales):
-        ei = e[i] if kept else e
+        ei = e if keep is None else keep[i]
         torch.mul(D, sigma * LOG2E, out=ei).exp2_()
         sums.append(ei.sum(-1))
-        sums.append((torch.mul(ei, D0, out=work) if kept else ei.mul_(D0)).sum(-1))
+        sums.append((ei.mul_(D0) if keep is None else torch.mul(ei, D0, out=e)).sum(-1))
     return sums
 
 

@@ -258,11 +258,10 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
         if prep.keybias is not None and not call.causal:  # masked keys: 0 in C, NEG here
             D.add_(prep.keybias[..., :cols])
         D.sub_(torch.where(top <= NEG / 2, 0.0, top).unsqueeze(-1))
-        if keep is None:
-            soft_parts.append(torch.stack(exp_sums(D, D, scales, e_buf[: D.numel()].view(D.shape))))
-        else:  # the exponentials go where the backward finds them: one tensor per batch of rows
-            kept = torch.empty((len(scales),) + tuple(D.shape), device=device)
-            soft_parts.append(torch.stack(exp_sums(D, D, scales, kept, e_buf[: D.numel()].view(D.shape))))
+        # kept: the exponentials go where the backward finds them, one tensor per batch of rows
+        kept = None if keep is None else torch.empty((len(scales),) + tuple(D.shape), device=device)
+        soft_parts.append(torch.stack(exp_sums(D, D, scales, e_buf[: D.numel()].view(D.shape), kept)))
+        if keep is not None and kept is not None:
             keep.append((done, kept))
         if call.causal:  # the buffer is reused: keys beyond a later row's chunk stay masked
             D.fill_(NEG)
