@@ -16,8 +16,8 @@ def _call(length, keys, heads=8):
 
 
 def test_wide_calls_take_at_least_the_minimum_rows():
-    call, plan = plan_call(_call(1024, 1024), {"actual": 32**-0.5})
-    assert cache_chunk_rows(1, 8, 1024) < BACKWARD_MIN_ROWS  # a cache-sized chunk would be 32 rows
+    call, plan = plan_call(_call(2048, 2048), {"actual": 32**-0.5})
+    assert cache_chunk_rows(1, 8, 2048) < BACKWARD_MIN_ROWS  # a cache-sized chunk would be 32 rows
     assert backward_step(call, plan) == BACKWARD_MIN_ROWS
 
 
