@@ -142,22 +142,21 @@ def row_pattern(rows: Callable[[int, int], Tensor], causal: bool, length: int, k
     the bytes of one row of the block); on the host."""
     step = max(1, _PATTERN_BYTES // max(1, per_row))
     first, last = rows(0, 1), rows(length - 1, length)
-    same = not causal
+    starts = range(0, length, step)
+    # every row the same (key padding) first: a padding mask, the common case, then takes one
+    # comparison per block, and a causal one fails it at its first block of two or more rows
+    if not causal and all(torch.equal(b, first.expand_as(b)) for b in (rows(r0, min(length, r0 + step)) for r0 in starts)):
+        return False, first
+    if not (causal or length == keys):
+        return None, None
     cols = torch.arange(keys, device=first.device)
-    tril_ok = causal or length == keys
-    for r0 in range(0, length, step):
+    for r0 in starts:
         r1 = min(length, r0 + step)
         block = rows(r0, r1)
-        if same and not torch.equal(block, first.expand_as(block)):
-            same = False
-        if tril_ok:
-            tril = torch.arange(r0, r1, device=block.device).unsqueeze(-1) >= cols
-            lhs = block & tril if causal else block
-            tril_ok = torch.equal(lhs, (last & tril).expand_as(lhs))
-        if not same and not tril_ok:
+        tril = torch.arange(r0, r1, device=block.device).unsqueeze(-1) >= cols
+        lhs = block & tril if causal else block
+        if not torch.equal(lhs, (last & tril).expand_as(lhs)):
             return None, None
-    if same:
-        return False, first
     return True, last
 
 
