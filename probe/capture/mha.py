@@ -402,8 +402,8 @@ class MHAFrontEnd(FrontEnd):
         Then :class:`~probe.capture.mode.ModuleStack` lets it run outside the capture mode
         (outputs bitwise unchanged) and :meth:`measure_fused` measures it instead.
         """
-        if not args or not _nested(args[0]):
-            return False
+        if not isinstance(module, (nn.MultiheadAttention, nn.TransformerEncoderLayer)) or not args or not _nested(args[0]):
+            return False  # the type first: this runs at every module call of a sampled forward
         if isinstance(module, nn.TransformerEncoderLayer):
             return isinstance(module.self_attn, nn.MultiheadAttention)
         return isinstance(module, nn.MultiheadAttention)
