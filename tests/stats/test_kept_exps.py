@@ -15,6 +15,7 @@ from torch import nn
 import probe
 import probe.session.recorder as recorder
 import probe.stats.plan as plan_module
+from probe.stats import buffers
 from probe.call import AttentionCall
 from probe.stats.backward import grad_logits_stats
 from probe.stats.forward import forward_fields
@@ -81,6 +82,43 @@ def test_the_backward_uses_what_the_forward_kept():
     batches[0][1].mul_(3.0)  # e three times larger, Σe as it was: ‖e ⊙ (dP − c)‖² / (Σe)² grows
     tampered = grad_logits_stats(call, dout, SCALES, plan=kept)
     assert (tampered["grad_logits_sq@actual"] > 1.5 * honest["grad_logits_sq@actual"]).all()
+
+
+def test_the_next_forward_keeps_into_the_memory_a_backward_handed_back(monkeypatch):
+    """The kept exponentials' memory goes back to the pool once the backward read it, and the
+    next forward keeps into it (the same addresses) with the same numbers as fresh memory."""
+    buffers.drop_kept()
+    call, dout, _ = _case(40, True, True, 3)
+    positions = torch.tensor([2, 5, 11, 30])
+    call, kept = _planned(call, positions, keep_bytes=2**30)
+    forward_fields(call, kept)
+    first = {e.data_ptr() for _, e in kept.carry["exps"][0]}
+    want = grad_logits_stats(call, dout, SCALES, plan=kept)
+    assert {t.data_ptr() for t in buffers._POOL.free} == first  # handed back
+    forward_fields(call, kept)  # stale contents in the reused memory
+    assert {e.data_ptr() for _, e in kept.carry["exps"][0]} == first and not buffers._POOL.free
+    again = grad_logits_stats(call, dout, SCALES, plan=kept)
+    for key in want:
+        torch.testing.assert_close(again[key], want[key], rtol=0, atol=0)
+    # bounded: nothing is pooled beyond KEPT_POOL_BYTES, and drop_kept releases what is
+    monkeypatch.setattr(buffers, "KEPT_POOL_BYTES", 0)
+    forward_fields(call, kept)
+    grad_logits_stats(call, dout, SCALES, plan=kept)
+    assert not buffers._POOL.free
+    monkeypatch.undo()
+    forward_fields(call, kept)
+    grad_logits_stats(call, dout, SCALES, plan=kept)
+    assert buffers._POOL.free
+    buffers.drop_kept()
+    assert not buffers._POOL.free
+
+
+def test_closing_a_probe_releases_the_pooled_memory(monkeypatch):
+    model = _Stack()
+    with probe.watch(model, rows=16, memory_budget=2**21):
+        model().backward()
+        assert buffers._POOL.free  # the backward handed the kept memory back
+    assert not buffers._POOL.free
 
 
 def test_a_plan_keeps_only_within_its_bounds(monkeypatch):

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall
-from probe.stats.buffers import Scratch
+from probe.stats.buffers import Scratch, kept_buffer
 from probe.stats.plan import LOGIT_BOUND, SAMPLED_BYTES, CallPlan, chunk_picks
 from probe.stats.rows import Rows, exp_sums, nonfinite_rows, softmax_rows
 
@@ -259,7 +259,7 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
             D.add_(prep.keybias[..., :cols])
         D.sub_(torch.where(top <= NEG / 2, 0.0, top).unsqueeze(-1))
         # kept: the exponentials go where the backward finds them, one tensor per batch of rows
-        kept = None if keep is None else torch.empty((len(scales),) + tuple(D.shape), device=device)
+        kept = None if keep is None else kept_buffer((len(scales),) + tuple(D.shape), device)
         soft_parts.append(torch.stack(exp_sums(D, D, scales, e_buf[: D.numel()].view(D.shape), kept)))
         if keep is not None and kept is not None:
             keep.append((done, kept))

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from probe.call import AttentionCall
-from probe.stats.buffers import Scratch
+from probe.stats.buffers import Scratch, give_back
 from probe.stats.chunks import DPSource, all_finite, row_chunks
 from probe.stats.plan import CallPlan, backward_step, chunk_picks
 from probe.stats.rows import LOG2E, Rows, exact_pass, exp_sums, moment_rows, nonfinite_rows, softmax_rows
@@ -210,6 +210,8 @@ def _kept_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scrat
             for i in range(len(plan.values)):
                 se = sums[i, :, :, r0 : r0 + rows].unsqueeze(-1)
                 per_row[i].append(_grad_sq(exps[i, :, :, s0 : s0 + rows], dP, se, t))
+    for _, exps in batches:  # read: their memory serves the next forward's (buffers.kept_buffer)
+        give_back(exps)
     return torch.stack([torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0] for parts in per_row])
 
 
