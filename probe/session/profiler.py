@@ -16,6 +16,7 @@ from probe.capture.mode import CaptureMode, ModuleStack, SitesFilter, site_filte
 from probe.capture.registry import default_frontends
 from probe.session.compiled import EagerSteps, check_model, is_compiled, outside_graph, skipped_compiled
 from probe.state.distributed import resolve_group
+from probe.stats.buffers import drop_kept
 from probe.errors import ProbeError
 from probe.session.forward_guard import ForwardFrame, RootHook
 from probe.session.lifecycle import Counting, Event, Lifecycle, Phase
@@ -376,6 +377,7 @@ class Probe:
         self._rec.empty_steps.end(closing=True)
         self._rec.grad_hooks.remove()
         self._stop_capture()
+        drop_kept()  # the memory kept exponentials reused between steps (probe.stats.buffers)
         self._out.close(self.close_timeout)
 
     def _check_open(self, what: str) -> None:
