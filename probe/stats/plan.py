@@ -189,7 +189,8 @@ def plan_call(call: AttentionCall, scales: Mapping[str, Optional[Scale]], budget
     positions = _positions(rows, length, generator)
     common = dict(names=names, values=values, length=length, keys=keys, positions=positions,
                   acc=accumulation_dtype(call.q.device), budget_bytes=budget_bytes,
-                  design=None if positions is None else row_design(positions, length))
+                  design=None if positions is None else row_design(  # drawn here: the design of (L, N)
+                      positions.shape[0] if isinstance(rows, int) else positions, length))
     if (call.logits is not None and call.scale is None) or any(v is None for v in values):
         step = max(1, min(chunk_rows(batch, heads, keys, budget_bytes), length))
         return call, CallPlan("logits", names=(("actual",),), values=(None,), step=step,  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import OrderedDict
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -106,17 +107,52 @@ def row_design(positions: Union[Tensor, int], length: int) -> Design:
 
     Positions not drawn by the design (other counts per stratum, as an arbitrary subset may
     have) are treated as one uniform sample of ``N`` (weight ``L/N``)."""
-    n = positions if isinstance(positions, int) else positions.shape[0]
-    sizes, drawn = strata_sizes(length, max(1, n))
     if isinstance(positions, int):
-        stratum = torch.repeat_interleave(torch.arange(sizes.shape[0]), drawn)
-    else:
-        stratum = torch.searchsorted(torch.cumsum(sizes, 0), positions.cpu(), right=True)
-        if not torch.equal(torch.bincount(stratum, minlength=sizes.shape[0]), drawn):
-            sizes, drawn = torch.tensor([length]), torch.tensor([n])
-            stratum = torch.zeros(n, dtype=torch.int64)
+        return _drawn_design(positions, length)
+    n = positions.shape[0]
+    sizes, drawn = strata_sizes(length, max(1, n))
+    stratum = torch.searchsorted(torch.cumsum(sizes, 0), positions.cpu(), right=True)
+    if torch.equal(torch.bincount(stratum, minlength=sizes.shape[0]), drawn):
+        return _drawn_design(n, length)  # sorted, n_h to a stratum in order: the same design
+    sizes, drawn = torch.tensor([length]), torch.tensor([n])
+    stratum = torch.zeros(n, dtype=torch.int64)
     weight = sizes.double()[stratum] / drawn.double()[stratum]
     return weight, stratum, sizes, drawn
+
+
+@functools.lru_cache(maxsize=64)
+def _drawn_design(rows: int, length: int) -> Design:
+    """:func:`row_design` of ``rows`` positions drawn by the design (sorted, they fall ``n_h`` to a
+    stratum in order): a function of ``(L, N)`` alone, cached (the plan of every sampled call
+    asks for it; callers must not change the tensors)."""
+    sizes, drawn = strata_sizes(length, max(1, rows))
+    stratum = torch.repeat_interleave(torch.arange(sizes.shape[0]), drawn)
+    return sizes.double()[stratum] / drawn.double()[stratum], stratum, sizes, drawn
+
+
+# Per (stratum, L_h, n_h, device, dtype): the design's constants of the variance estimate, most
+# recent last; an entry holds its tensors, so their ids are not reused while it lives.
+_TERMS: "OrderedDict[tuple, tuple]" = OrderedDict()
+_MAX_TERMS = 64
+
+
+def _variance_terms(stratum: Tensor, sizes: Tensor, drawn: Tensor, device: torch.device,
+                    dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(stratum, n_h, factor, whole)`` on ``device``: ``factor_h = L_h² (1 − n_h/L_h) / n_h /
+    (n_h − 1)`` (NaN for one draw of more), ``whole`` the strata drawn whole (exact: 0). Built
+    once per design (the cached designs of :func:`_drawn_design` come back every call)."""
+    key = (id(stratum), id(sizes), id(drawn), device, dtype)
+    hit = _TERMS.get(key)
+    if hit is not None and hit[0] is stratum and hit[1] is sizes and hit[2] is drawn:
+        _TERMS.move_to_end(key)
+        return hit[3:]
+    L_h, n_h = sizes.to(dtype), drawn.to(dtype)
+    factor = torch.where(n_h > 1, L_h.square() * (1 - n_h / L_h) / n_h / (n_h - 1).clamp(min=1), math.nan)
+    terms = tuple(t.to(device) for t in (stratum, n_h, factor, n_h >= L_h))
+    _TERMS[key] = (stratum, sizes, drawn) + terms
+    while len(_TERMS) > _MAX_TERMS:
+        _TERMS.popitem(last=False)
+    return terms  # type: ignore[return-value]
 
 
 def stratified_variance(y: Tensor, stratum: Tensor, sizes: Tensor, drawn: Tensor) -> Tensor:
@@ -125,11 +161,8 @@ def stratified_variance(y: Tensor, stratum: Tensor, sizes: Tensor, drawn: Tensor
     one draw (``rows=1``: one row estimates the total, not its spread, and 0 would read as
     exact). ``stratum``, ``sizes``, ``drawn`` from :func:`row_design`."""
     dev = y.device
-    g = stratum.to(dev, non_blocking=True)
-    L_h = sizes.to(dev, y.dtype, non_blocking=True)
-    n_h = drawn.to(dev, y.dtype, non_blocking=True)
+    g, n_h, factor, whole = _variance_terms(stratum, sizes, drawn, dev, y.dtype)
     heads, count = y.shape[0], sizes.shape[0]
     mean = torch.zeros(heads, count, dtype=y.dtype, device=dev).index_add_(1, g, y) / n_h
     ss = torch.zeros(heads, count, dtype=y.dtype, device=dev).index_add_(1, g, (y - mean[:, g]).square())
-    s2 = torch.where(n_h > 1, ss / (n_h - 1).clamp(min=1), math.nan)
-    return torch.where(n_h < L_h, L_h.square() * (1 - n_h / L_h) / n_h * s2, 0.0).sum(-1)  # a whole stratum: exact
+    return torch.where(whole, 0.0, factor * ss).sum(-1)  # a whole stratum: exact

@@ -14,7 +14,7 @@ import torch
 from probe.call import AttentionCall
 from probe.stats.forward import forward_stats
 from probe.stats.backward import grad_logits_stats
-from probe.stats.sampling import row_design, sample_rows, strata_sizes
+from probe.stats.sampling import row_design, sample_rows, strata_sizes, stratified_variance
 from tests.stats.test_rows_sampling import _inputs, _per_row
 from tests.stats.test_rows_sampling_grads import _case
 
@@ -145,3 +145,28 @@ def test_nonfinite_stays_exact_when_rows_are_sampled():
     sampled = forward_stats(call, {"actual": 0.3}, rows=pos)
     torch.testing.assert_close(sampled["nonfinite"], full["nonfinite"])
     assert full["nonfinite"][1].item() == 6 + 6  # 6 NaN logits (causal row 5), and its 6 probabilities
+
+
+@pytest.mark.parametrize("length,rows", [(40, 12), (41, 13), (10, 1), (9, 8), (512, 128)])
+def test_the_variance_estimate_is_cochrans_formula_stratum_by_stratum(length, rows):
+    """The cached design constants give ``Σ_h L_h² (1 − n_h/L_h) / n_h · s_h²`` as written out per
+    stratum in float64 (NaN for a stratum of one draw, 0 for one drawn whole)."""
+    positions = sample_rows(length, rows, torch.Generator().manual_seed(rows))
+    weight, stratum, sizes, drawn = design = row_design(positions, length)
+    assert design is row_design(int(positions.shape[0]), length)  # one cached design per (L, N)
+    y = torch.randn(3, positions.shape[0], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = torch.zeros(3, dtype=torch.float64)
+    for h, (size, n) in enumerate(zip(sizes.tolist(), drawn.tolist())):
+        part = y[:, stratum == h]
+        if n == size:
+            continue
+        s2 = part.var(dim=1) if n > 1 else torch.full((3,), math.nan, dtype=torch.float64)
+        want += size**2 * (1 - n / size) / n * s2
+    got = stratified_variance(y, stratum, sizes, drawn)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, equal_nan=True)
+    torch.testing.assert_close(stratified_variance(y, *design[1:]), got, rtol=0, atol=0, equal_nan=True)  # cached terms
+    # positions of no design (the last ones: the head stratum drawn short): one uniform sample, weight L/N
+    odd = torch.arange(length - rows, length)
+    if rows < length and rows > 2:
+        w, s, L_h, n_h = row_design(odd, length)
+        assert L_h.tolist() == [length] and n_h.tolist() == [rows] and torch.allclose(w, torch.full((rows,), length / rows, dtype=torch.float64))
