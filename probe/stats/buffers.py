@@ -25,17 +25,26 @@ class Scratch:
         self.size, self.device = size, device
         self.keep = False  # handed back to the thread by release() (set by take_scratch)
         self._buffers: Dict[str, Tensor] = {}
+        self._views: Dict[tuple, Tensor] = {}  # (name, shape, dtype) -> its view, while the buffer lasts
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def get(self, name: str, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> Tensor:
         """A ``shape`` view of the buffer ``name`` (contents undefined)."""
+        key = (name, tuple(shape), dtype)
+        view = self._views.get(key)
+        if view is not None:  # the same chunk shape again (every chunk of a call asks): no slice, no view
+            return view
         n = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < n or buf.dtype != dtype:
             buf = self._buffers[name] = torch.empty(max(n, self.size), dtype=dtype, device=self.device)
-        return buf[:n].view(tuple(shape))
+            self._views = {k: v for k, v in self._views.items() if k[0] != name}  # views of the old one
+        if len(self._views) >= 64:  # a thread's kept buffers meet many shapes over time
+            self._views.clear()
+        view = self._views[key] = buf[:n].view(key[1])
+        return view
 
 
 #: Bytes of buffers a thread keeps between calls on CPUs (:func:`take_scratch`).
