@@ -52,7 +52,8 @@ class Accumulator:
         for key, state in self.states.items():
             for field, value in state.items():
                 dtype = dtype or value.dtype
-                parts.append(value.reshape(-1).to(dtype))
+                flat = value.reshape(-1)
+                parts.append(flat if flat.dtype == dtype else flat.to(dtype))
                 layout.append((key, field, tuple(value.shape)))
         if not parts:
             return torch.zeros(0, dtype=torch.float64), layout
