@@ -57,6 +57,11 @@ def site_names(root: nn.Module) -> Dict[int, str]:
     wrapped root is ``root``).
     """
     modules = dict(root.named_modules())
+    # the same tree as last time (every sampled step asks): its names again, a copy
+    tree = tuple((name, id(module), type(module)) for name, module in modules.items())
+    cached = _NAMES.get(root)
+    if cached is not None and cached[0] == tree:
+        return dict(cached[1])
     names: Dict[int, str] = {}
     for name, module in modules.items():
         parts: List[str] = []
@@ -67,7 +72,13 @@ def site_names(root: nn.Module) -> Dict[int, str]:
                 parts.append(part)
             path = f"{path}.{part}" if path else part
         names[id(module)] = ".".join(parts) or "root"
+    _NAMES[root] = (tree, dict(names))
     return names
+
+
+# root -> (its tree as (name, id, type) per module, its names) from the last site_names(root): the
+# tree holds ids of live modules only while they are in it, and a changed tree recomputes
+_NAMES: "weakref.WeakKeyDictionary[nn.Module, Tuple[tuple, Dict[int, str]]]" = weakref.WeakKeyDictionary()
 
 
 #: Parameterless ``torch.nn`` leaves that only wrap a function: a call they issue belongs to the
