@@ -81,9 +81,14 @@ def head_sq(grad: Tensor, budget_bytes: int = _HEAD_SQ_BYTES) -> Tensor:
     scratch = take_scratch(0, grad.device) if grad.device.type == "cpu" and grad.dtype != dtype else None
     for r0 in range(0, length, step):
         rows = grad[:, :, r0 : r0 + step]
+        # in the order the rows lie in memory (Hugging Face's (B, L, H, d) under the (B, H, L, d)
+        # view): the upcast is then a sequential copy, not a transposing one (measured in the BERT
+        # step: 0.45 against 0.36 ms per gradient)
+        order = sorted(range(3), key=lambda i: rows.stride(i), reverse=True) + [3] if rows.stride(3) == 1 else [0, 1, 2, 3]
+        rows = rows.permute(order)
         if scratch is not None:
             rows = scratch.get("upcast", rows.shape, dtype).copy_(rows)
-        part = torch.linalg.vector_norm(rows, dim=-1, dtype=dtype).square_().sum((0, 2))
+        part = torch.linalg.vector_norm(rows, dim=-1, dtype=dtype).square_().sum([i for i in range(3) if order[i] != 1])
         total = part if total is None else total.add_(part)
     if scratch is not None:
         release(scratch)
