@@ -59,7 +59,10 @@ def site_names(root: nn.Module) -> Dict[int, str]:
     modules = dict(root.named_modules())
     # the same tree as last time (every sampled step asks): its names again, a copy
     tree = tuple((name, id(module), type(module)) for name, module in modules.items())
-    cached = _NAMES.get(root)
+    try:
+        cached = _NAMES.get(root)
+    except TypeError:  # a root whose class made it unhashable (a dataclass with eq=True): no cache
+        cached = None
     if cached is not None and cached[0] == tree:
         return dict(cached[1])
     names: Dict[int, str] = {}
@@ -72,7 +75,10 @@ def site_names(root: nn.Module) -> Dict[int, str]:
                 parts.append(part)
             path = f"{path}.{part}" if path else part
         names[id(module)] = ".".join(parts) or "root"
-    _NAMES[root] = (tree, dict(names))
+    try:
+        _NAMES[root] = (tree, dict(names))
+    except TypeError:
+        pass
     return names
 
 
