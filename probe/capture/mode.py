@@ -176,6 +176,9 @@ class CaptureMode(TorchFunctionMode):
         self._paused = False
         #: the front end that sees every other op while it follows tensors (the eager tracer)
         self._catch_all = next((fe for fe in frontends if fe.catch_all), None)
+        # the front ends that can hold recorded calls (asked at every module boundary): those
+        # overriding FrontEnd.has_pending, which is always False
+        self._holders = [fe for fe in frontends if type(fe).has_pending is not FrontEnd.has_pending]
 
     def __exit__(self, *exc: Any) -> None:
         # Front ends that track tensors during the forward (eager) forget them here.
@@ -222,7 +225,7 @@ class CaptureMode(TorchFunctionMode):
 
     def pending(self) -> bool:
         """Whether a front end holds calls recorded but not yet measured."""
-        return any(f.has_pending() for f in self.frontends)
+        return any(f.has_pending() for f in self._holders)
 
     def drain(self, site: str) -> None:
         """Have front ends measure their recorded calls now (:meth:`FrontEnd.drain`), with this
