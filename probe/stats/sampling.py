@@ -139,7 +139,7 @@ _MAX_TERMS = 64
 def _variance_terms(stratum: Tensor, sizes: Tensor, drawn: Tensor, device: torch.device,
                     dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(stratum, n_h, factor, whole)`` on ``device``: ``factor_h = L_h² (1 − n_h/L_h) / n_h /
-    (n_h − 1)`` (NaN for one draw of more), ``whole`` the strata drawn whole (exact: 0). Built
+    (n_h − 1)`` (NaN for a stratum of one draw that is not the whole stratum), ``whole`` the strata drawn whole (exact: 0). Built
     once per design (the cached designs of :func:`_drawn_design` come back every call)."""
     key = (id(stratum), id(sizes), id(drawn), device, dtype)
     hit = _TERMS.get(key)

@@ -261,7 +261,7 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
         # kept: the exponentials go where the backward finds them, one tensor per batch of rows
         kept = None if keep is None else kept_buffer((len(scales),) + tuple(D.shape), device)
         soft_parts.append(torch.stack(exp_sums(D, D, scales, e_buf[: D.numel()].view(D.shape), kept)))
-        if keep is not None and kept is not None:
+        if keep is not None and kept is not None:  # (kept is None exactly when keep is)
             keep.append((done, kept))
         if call.causal:  # the buffer is reused: keys beyond a later row's chunk stay masked
             D.fill_(NEG)
