@@ -209,3 +209,34 @@ def test_chunk_picks_split_the_sorted_positions_by_chunk():
             r0 = c * step
             expected = positions[(positions >= r0) & (positions < r0 + step)] - r0
             assert pick is not None and pick.dtype == torch.long and torch.equal(pick, expected)
+
+
+@pytest.mark.parametrize("budget", [2**11, 2**13, 2**20])
+def test_sampled_rows_without_causal_masking_are_exactly_the_rows_drawn(monkeypatch, budget):
+    """Without causal masking the centred path runs the sampled rows first (their exponentials on
+    the chunk's product in place, no gather): each estimate is the design-weighted sum of the
+    drawn rows' float64 values, whether the drawn rows fill several chunks, share one with rows
+    not drawn, or all fit in one (budgets of a few rows per chunk to every row), with key padding
+    and two query heads per kv head."""
+    from probe.stats import plan as plan_module
+    from probe.stats.paths import centred
+    from probe.stats.sampling import row_design, sample_rows
+
+    monkeypatch.setattr(plan_module, "blocked_keys", lambda *args: False)
+    steps = []
+    real = centred.centred_rows
+    monkeypatch.setattr(centred, "centred_rows", lambda *a, **k: steps.append(a[3]) or real(*a, **k))
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(2, 4, 40, 8, generator=g) * 1.5, torch.randn(2, 2, 40, 8, generator=g)
+    pad = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    pad[1, ..., 29:] = False
+    positions = sample_rows(40, 11, torch.Generator().manual_seed(2))
+    call = AttentionCall(q=q, k=k, v=None, scale=0.5, causal=False, mask=pad)
+    fields = forward_stats(call, {"actual": 0.5}, saturation=0.9, budget_bytes=budget, rows=positions)
+    assert steps and (steps[0] < 11 if budget < 2**20 else steps[0] >= 40)
+    ok, vals = _per_row(q, k, 0.5, False, pad)
+    weight = row_design(positions, 40)[0]
+    for metric in ("entropy", "max_prob"):
+        want = (vals[metric][:, :, positions] * weight).sum((0, 2))
+        np.testing.assert_allclose(fields[MEANS[metric]].double().numpy(), want.numpy(), rtol=2e-5, err_msg=metric)
+    np.testing.assert_array_equal(fields["rows"].numpy(), ok.sum((0, 2)).numpy())

@@ -22,7 +22,11 @@ CPUs):
   every chunk under causal masking or ``rows=None``, else only to the sampled rows (the row max
   of ``C`` with a padded key's 0 is ``max(valid max, 0)``, and the valid max is at least the
   row's mean over every valid key, ``≈ 0``). The row max is ``max C + q_i·k̄``, and only the
-  sampled rows form ``D = C − max C`` and their exponentials, gathered across chunks.
+  sampled rows form ``D = C − max C`` and their exponentials: without causal masking the rows
+  of q go sampled ones first (one ``index_select`` per chunk, which the product's copy of
+  Hugging Face's strided rows costs anyway), so that they lead the first chunks and run on
+  ``C`` in place; causal calls, whose chunks are trimmed at their last row, copy them out of
+  each chunk and run them in batches.
 - Long calls (the centred copy of k and the buffers over every key would outgrow a quarter of
   ``memory_budget``) run over blocks of keys instead (:mod:`probe.stats.paths.key_blocks`): keys are
   centred a block at a time, per-row sums, sums of squares and maxima add up over the blocks,
@@ -214,8 +218,9 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
     :func:`~probe.stats.paths.shifted.chunk_sums` returns them; :func:`to_rows` takes both).
 
     Per chunk: one product, ``‖C‖²`` and ``amax`` (causal: the diagonal block zeroed, then masked;
-    padded keys masked where the module docstring says). The sampled rows (``picks``, local indices per chunk) are copied out
-    and their exponentials computed once after the loop; with ``picks`` all ``None`` (every row)
+    padded keys masked where the module docstring says). The sampled rows (``picks``, local indices per chunk) run
+    first without causal masking (their exponentials on the leading rows of ``C``), or, causal,
+    are copied out and their exponentials computed in batches; with ``picks`` all ``None`` (every row)
     each chunk's exponentials run while it is in cache. ``scratch``: the call's buffers
     (:mod:`probe.stats.buffers`). ``keep``: a list that receives, for the backward
     (:func:`probe.stats.paths.shifted.grad_rows`), each batch of sampled rows' exponentials as
@@ -235,10 +240,16 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
         lower = (~above).float()
         upper = torch.zeros(step, step, device=device).masked_fill_(above, NEG)
     every = all(p is None for p in picks)
+    rows_all = None if every else torch.cat([p + r0 for p, r0 in zip(picks, range(0, length, step)) if p is not None])
+    # without causal masking the rows go in any order: the sampled ones first, so that they are
+    # the leading rows of the first chunks, and their exponentials run on C in place (no gather)
+    order = inverse = None
+    if rows_all is not None and not call.causal:
+        order, inverse = _sampled_first(rows_all, length)
     full_buf = scratch.get("R", (batch * heads * step * keys,))
-    work = scratch.get("e", (batch * heads * step * keys,)) if every else None
+    work = scratch.get("e", (batch * heads * step * keys,)) if every or order is not None else None
     sampled = e_buf = None
-    if not every:  # the sampled rows' C, masked (NEG) beyond each chunk's keys, a bounded batch
+    if not every and order is None:  # the sampled rows' C, masked (NEG) beyond each chunk's keys, a bounded batch
         total = sum(int(p.shape[0]) for p in picks if p is not None)  # of them at a time
         cap = max(1, min(total, SAMPLED_BYTES // max(1, batch * heads * keys * 4)))
         sampled = scratch.get("rows", (batch, heads, cap, keys))
@@ -272,7 +283,7 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
         rows = r1 - r0
         cols = min(keys, r1) if call.causal else keys  # a causal chunk stops at its last query
         C = full_buf[: batch * heads * rows * cols].view(batch, heads, rows, cols)
-        qc = q[:, :, r0:r1].float()
+        qc = q[:, :, r0:r1].float() if order is None else q.index_select(2, order[r0:r1]).float()
         if prep.g > 1:  # q rows as (B, Hk, g·rows, d): one product per kv head (chunks.row_chunks)
             torch.matmul(qc.reshape(batch, prep.kv, prep.g * rows, dim), prep.kt[..., :cols],
                          out=C.view(batch, prep.kv, prep.g * rows, cols))
@@ -296,6 +307,20 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
             top = torch.where(cmax <= NEG / 2, 0.0, cmax).unsqueeze(-1)
             assert work is not None
             soft_parts.append(torch.stack(exp_sums(C.sub_(top), C, scales, work[: C.numel()].view(C.shape))))
+        elif order is not None:
+            assert rows_all is not None and work is not None
+            m = max(0, min(rows, rows_all.shape[0] - r0))  # this chunk's sampled rows: its first m
+            if m > 0:
+                D = C[:, :, :m]
+                if prep.keybias is not None:  # masked keys: 0 in C, NEG here
+                    D.add_(prep.keybias[..., :cols])
+                top = cmax[:, :, :m]
+                D.sub_(torch.where(top <= NEG / 2, 0.0, top).unsqueeze(-1))
+                kept = None if keep is None else kept_buffer((len(scales),) + tuple(D.shape), device)
+                soft_parts.append(torch.stack(exp_sums(D, D, scales, work[: D.numel()].view(D.shape), kept)))
+                if keep is not None and kept is not None:
+                    keep.append((done, kept))
+                done += m
         else:
             taken = 0
             while pick is not None and taken < pick.shape[0]:
@@ -310,6 +335,8 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
             if used > 0 and (r1 == length or (call.causal and used >= _FLUSH_ROWS)):
                 flush(cols)
     per_row = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]  # (2, B, H, L)
+    if inverse is not None:  # back in the rows' order
+        per_row = per_row.index_select(-1, inverse)
     sq, cmax = per_row.unbind(0)
     exact, cmax = exact_rows(prep, row_sums(prep, q, scratch), sq.double().square(), cmax)
     n = prep.n
@@ -317,12 +344,23 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
     if every:
         soft_all = torch.cat(soft_parts, dim=-1) if len(soft_parts) > 1 else soft_parts[0]
         return exact, [n, r] + list(soft_all.unbind(0))
-    rows_all = torch.cat([p + r0 for p, r0 in zip(picks, range(0, length, step)) if p is not None])
+    assert rows_all is not None
     n_s, r_s = n.index_select(2, rows_all), r.index_select(2, rows_all)
     if not soft_parts:  # no sampled row
         return exact, [n_s, r_s] + [torch.zeros_like(n_s) for _ in range(2 * len(scales))]
     soft_all = torch.cat(soft_parts, dim=-1) if len(soft_parts) > 1 else soft_parts[0]
     return exact, [n_s, r_s] + list(soft_all.unbind(0))
+
+
+def _sampled_first(rows: Tensor, length: int) -> Tuple[Tensor, Tensor]:
+    """A permutation of ``range(length)`` that lists ``rows`` (distinct) first, in their order,
+    then the other rows, and its inverse."""
+    rest = torch.ones(length, dtype=torch.bool, device=rows.device)
+    rest[rows] = False
+    order = torch.cat([rows, rest.nonzero().squeeze(-1)])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(length, device=rows.device)
+    return order, inverse
 
 
 def exact_rows(prep: CentredPrep, csum: Tensor, sumsq: Tensor, cmax: Tensor) -> Tuple[List[Tensor], Tensor]:
