@@ -52,6 +52,9 @@ PATH_MODULES = {"shifted": shifted, "general": general, "logits": logits}
 # Bytes of the upcast copy of one chunk of gradient rows in head_sq: near a core's L2 cache.
 _HEAD_SQ_BYTES = 2 * 2**20
 
+# The largest copy of the sampled rows of ∂L/∂out taken at once (else each chunk takes its own).
+_TAKEN_BYTES = 8 * 2**20
+
 
 def head_sq(grad: Tensor, budget_bytes: int = _HEAD_SQ_BYTES) -> Tensor:
     """Per-head sum of squares of a ``(B, H, L, d)`` gradient, shape ``(H,)``.
@@ -182,8 +185,16 @@ def grad_logits_stats(
             # transposed float32 v (read in place, chunks.kv_product)
             vt, strided = kv_view(call.v, scratch, "vt")
             dout = grad_output.reshape(batch, heads, length, grad_output.shape[-1])
-            gs = grad_scale(dout)  # as above, applied to each chunk of dout rows
-            dp = DPSource(gs, dout=dout, vt=vt, strided=strided)
+            positions = plan.positions
+            if positions is not None and batch * heads * positions.shape[0] * dout.shape[-1] * 4 <= _TAKEN_BYTES:
+                # sampled: only their rows of dout are read, so take them once (float32), scale
+                # them from their own largest entry and multiply them by it in place
+                taken = dout.index_select(2, positions.to(dout.device, non_blocking=True)).float()
+                gs = grad_scale(taken)
+                dp = DPSource(gs, dout=taken.mul_(gs), vt=vt, strided=strided, taken=True)
+            else:
+                gs = grad_scale(dout)  # as above, applied to each chunk of dout rows
+                dp = DPSource(gs, dout=dout, vt=vt, strided=strided)
         per_row = PATH_MODULES[BACKWARD_PATH[plan.path]].grad_rows(call, plan, dp, scratch)
     finally:
         release(scratch)

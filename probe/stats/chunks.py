@@ -236,10 +236,13 @@ class DPSource:
     as ``dout · vᵀ`` (``vt`` from :func:`kv_view` of v, ``strided`` as it said)."""
 
     def __init__(self, gs: Tensor, dprobs: Optional[Tensor] = None, dout: Optional[Tensor] = None,
-                 vt: Optional[Tensor] = None, strided: bool = False) -> None:
+                 vt: Optional[Tensor] = None, strided: bool = False, taken: bool = False) -> None:
         if dprobs is None and (dout is None or vt is None):
             raise ValueError("DPSource needs dprobs, or dout and vt")
         self.gs, self.dprobs, self.dout, self.vt, self.strided = gs, dprobs, dout, vt, strided
+        # taken: ``dout`` holds only the rows formed (the sampled ones, in their order), already
+        # float32 and multiplied by ``gs``
+        self.taken = taken
 
     def into(self, out: Tensor, r0: int, rows: int, cols: int, picked: Optional[Tensor]) -> Tensor:
         """Rows ``r0 .. r0 + rows`` of those formed (all rows, or the positions ``picked``) over
@@ -249,5 +252,7 @@ class DPSource:
             src = src[:, :, r0 : r0 + rows] if picked is None else src.index_select(2, picked[r0 : r0 + rows])
             return torch.mul(src, self.gs, out=out)
         assert self.dout is not None and self.vt is not None
+        if self.taken:
+            return grouped_product(self.dout[:, :, r0 : r0 + rows], self.vt[..., :cols], out, self.strided)
         dc = self.dout[:, :, r0 : r0 + rows] if picked is None else self.dout.index_select(2, picked[r0 : r0 + rows])
         return grouped_product(dc.float() * self.gs, self.vt[..., :cols], out, self.strided)

@@ -111,3 +111,24 @@ def test_probe_rows_option_estimates_grad_logits_with_a_standard_error():
     s = p.summary()
     np.testing.assert_allclose(s.value(s.sites[0], "grad_logits"), exact, rtol=1e-4)
     assert "grad_logits_se" not in s.metrics(s.sites[0])
+
+
+@pytest.mark.parametrize("taken_bytes", [0, 2**30])
+@pytest.mark.parametrize("causal,padded", [(False, True), (True, False)])
+def test_the_sampled_rows_of_dout_are_taken_once_or_by_each_chunk_alike(monkeypatch, taken_bytes, causal, padded):
+    """The sampled rows of ∂L/∂out are taken once and scaled by their own largest entry, or, past
+    ``_TAKEN_BYTES``, by each chunk with the scale of all of dout: the same float64 reference
+    either way, for a gradient of 1e30 (its squares overflow float32) whose row 7, not drawn,
+    holds 3e38 (a scale from every row would shrink the sampled rows by 2⁻¹²⁸ more)."""
+    from probe.stats import backward
+    from probe.stats.sampling import row_design
+
+    monkeypatch.setattr(backward, "_TAKEN_BYTES", taken_bytes)
+    call, dout, y = _case(40, causal, padded)
+    rows = torch.tensor([0, 3, 4, 9, 17, 18, 25, 31, 38, 39])
+    dout = dout * 1e30
+    dout[:, :, 7] = 3e38
+    got = grad_logits_stats(call, dout, {"actual": 0.5}, budget_bytes=2**12, rows=rows)  # chunks of a few rows
+    want = (y[:, :, rows] * row_design(rows, 40)[0]).sum((0, 2)) * 1e60
+    torch.testing.assert_close(got["grad_logits_sq@actual"], want, rtol=1e-4, atol=0)
+    assert torch.isfinite(got["grad_logits_var@actual"]).all()
