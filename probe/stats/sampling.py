@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections import OrderedDict
 from typing import List, Optional, Tuple, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -64,39 +66,52 @@ def sample_rows(length: int, rows: int, generator: Optional[torch.Generator] = N
 
     Drawn on the CPU in ``O(rows)`` (``generator`` is a CPU generator; the same generator state
     gives the same positions) and moved to ``device`` without waiting. The draws are torch's
-    (one ``rand`` for the pairs, a ``randperm`` for a stratum of another count); the positions are
-    made from them on the host, a few dozen tensor operations fewer per call.
+    (one ``rand`` for the pairs, a ``randperm`` for a stratum of another count), turned into
+    positions by a few NumPy operations over every pair at once (host numbers: a torch
+    operation's dispatch costs more than the arithmetic). Positions drawn here are known to
+    follow the design (:func:`row_design` then skips its check) while they are unchanged.
     """
     if rows >= length:
         idx = torch.arange(length)
     else:
-        pairs, others = _strata(length, rows)
-        picked: List[int] = []
-        if pairs:  # two distinct uniform positions per stratum: a of m, then b of the other m - 1
-            u = torch.rand(len(pairs), 2, generator=generator, dtype=torch.float64).tolist()
-            for (first, m), (u0, u1) in zip(pairs, u):
-                a, b = int(u0 * m), int(u1 * (m - 1))
-                b += b >= a
-                picked += (first + min(a, b), first + max(a, b))
-        for first, size, n in others:  # the head (whole), or 1 or 3 draws
-            if n == size:
-                picked.extend(range(first, first + size))
+        first, size, others = _strata(length, rows)
+        parts: List[np.ndarray] = []
+        if first.shape[0]:  # two distinct uniform positions per stratum: a of m, then b of the other m - 1
+            u = torch.rand(first.shape[0], 2, generator=generator, dtype=torch.float64).numpy()
+            a = np.floor(u[:, 0] * size)
+            b = np.floor(u[:, 1] * (size - 1))
+            b += b >= a
+            parts += (np.minimum(a, b) + first, np.maximum(a, b) + first)
+        for start, count, n in others:  # the head (whole), or 1 or 3 draws
+            if n == count:
+                parts.append(np.arange(start, start + count, dtype=np.float64))
             else:
-                picked.extend(first + p for p in torch.randperm(size, generator=generator)[:n].tolist())
-        idx = torch.tensor(sorted(picked), dtype=torch.int64)
+                parts.append(torch.randperm(count, generator=generator)[:n].numpy() + float(start))
+        idx = torch.from_numpy(np.sort(np.concatenate(parts)).astype(np.int64))
+        _DRAWN[id(idx)] = (weakref.ref(idx), length, idx._version)
+        while len(_DRAWN) > _MAX_DRAWN:
+            _DRAWN.popitem(last=False)
     return idx.to(device, non_blocking=True) if device is not None else idx
 
 
+# The latest positions drawn by sample_rows, by id: (the tensor, weakly; length; its version
+# when drawn). row_design trusts an entry whose tensor is the one asked about and unchanged.
+_DRAWN: "OrderedDict[int, Tuple[weakref.ref, int, int]]" = OrderedDict()
+_MAX_DRAWN = 64
+
+
 @functools.lru_cache(maxsize=64)
-def _strata(length: int, rows: int) -> Tuple[Tuple[Tuple[int, int], ...], Tuple[Tuple[int, int, int], ...]]:
-    """The design's strata as host numbers: ``(first position, size)`` of those drawing two, in
-    order, and ``(first, size, draws)`` of the others (the head, a stratum of one or three)."""
+def _strata(length: int, rows: int) -> Tuple[np.ndarray, np.ndarray, Tuple[Tuple[int, int, int], ...]]:
+    """The design's strata: the first position and size (float64) of each stratum drawing two, in
+    order, and ``(first, size, draws)`` of the others (the head, a stratum of one or three).
+    Cached: callers must not change the tensors."""
     sizes, drawn = strata_sizes(length, rows)
     starts = (torch.cumsum(sizes, 0) - sizes).tolist()
     pairs, others = [], []
     for first, size, n in zip(starts, sizes.tolist(), drawn.tolist()):
         (pairs.append((first, size)) if n == 2 else others.append((first, size, n)))
-    return tuple(pairs), tuple(others)
+    table = np.array(pairs, dtype=np.float64).reshape(-1, 2)
+    return table[:, 0].copy(), table[:, 1].copy(), tuple(others)
 
 
 def row_design(positions: Union[Tensor, int], length: int) -> Design:
@@ -110,6 +125,9 @@ def row_design(positions: Union[Tensor, int], length: int) -> Design:
     if isinstance(positions, int):
         return _drawn_design(positions, length)
     n = positions.shape[0]
+    drawn_here = _DRAWN.get(id(positions))
+    if drawn_here is not None and drawn_here[0]() is positions and drawn_here[1:] == (length, positions._version):
+        return _drawn_design(n, length)  # drawn by sample_rows and unchanged
     sizes, drawn = strata_sizes(length, max(1, n))
     stratum = torch.searchsorted(torch.cumsum(sizes, 0), positions.cpu(), right=True)
     if torch.equal(torch.bincount(stratum, minlength=sizes.shape[0]), drawn):

@@ -38,6 +38,27 @@ def test_the_design_draws_its_counts_in_consecutive_strata(length, rows):
     assert torch.equal(pos, again)  # the same generator state, the same positions
 
 
+def test_positions_drawn_here_skip_the_design_check_until_they_change():
+    """Positions from sample_rows are known to follow the design: row_design returns the cached
+    design of (L, N) for them without checking, the same as the check gives; changed in place
+    (or asked about for another length) they are checked again, and a subset that does not
+    follow the design is one uniform sample."""
+    from probe.stats import sampling
+
+    pos = sample_rows(40, 8, torch.Generator().manual_seed(3))
+    checked = row_design(pos.clone(), 40)  # a copy: not drawn here, checked
+    design = row_design(pos, 40)
+    assert design is sampling._drawn_design(8, 40)
+    assert all(torch.equal(a, b) for a, b in zip(design, checked))
+    pos.copy_(torch.arange(8))  # rows 0..7: six in the first sampled stratum
+    uniform = row_design(pos, 40)
+    assert uniform[2].tolist() == [40] and uniform[3].tolist() == [8]
+    other = sample_rows(40, 8, torch.Generator().manual_seed(3))
+    for length in (41, 100):  # drawn for 40: checked for another length, as a copy is
+        assert all(torch.equal(a, b) for a, b in zip(row_design(other, length), row_design(other.clone(), length)))
+    assert row_design(other, 100)[2].tolist() == [100]  # they do not follow (100, 8)'s strata
+
+
 def test_every_position_is_drawn_with_its_stratum_probability():
     length, rows, draws = 11, 5, 4000
     gen = torch.Generator().manual_seed(1)
