@@ -105,10 +105,14 @@ _SHARED_STANCE = _ForceEager()
 def is_compiled(model: nn.Module) -> bool:
     """Whether ``model`` or a sub-module is compiled (``torch.compile``, ``Module.compile``) or
     scripted (TorchScript): the cases where a sampled step may run code probe cannot see."""
+    script = torch.jit.ScriptModule
     for module in model.modules():
-        if isinstance(module, torch.jit.ScriptModule) or hasattr(module, "_orig_mod"):
-            return True
-        if getattr(module, "_compiled_call_impl", None) is not None:
+        # read from the instance's dict and its sub-modules (an OptimizedModule's ``_orig_mod``),
+        # not by hasattr: a missing attribute goes through Module.__getattr__ and an
+        # AttributeError (336 against 150 us for the whole walk on a 4-layer BERT)
+        state = module.__dict__
+        if (isinstance(module, script) or state.get("_compiled_call_impl") is not None
+                or "_orig_mod" in state or "_orig_mod" in state.get("_modules", ())):
             return True
     return False
 
