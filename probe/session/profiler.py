@@ -289,9 +289,11 @@ class Probe:
         self._stop_capture()
         life.end_forward()
         if captured:  # no attention call captured: warned (probe.session.empty_steps)
-            self._rec.forward_end(self._rec.step, self._rec.emitted - self._emitted_before,
-                                  life.counting is Counting.AUTO, output,
-                                  compiled=self._eager.hooks_traced or is_compiled(self.model))
+            calls = self._rec.emitted - self._emitted_before
+            # whether compiled code may have hidden the calls: asked only when there were none
+            # (a walk over every module, at the end of every sampled forward otherwise)
+            self._rec.forward_end(self._rec.step, calls, life.counting is Counting.AUTO, output,
+                                  compiled=not calls and (self._eager.hooks_traced or is_compiled(self.model)))
         self._arm_next()
 
     def _emit(self, call: Any, key: Any = None) -> None:
