@@ -161,11 +161,16 @@ def row_pattern(rows: Callable[[int, int], Tensor], causal: bool, length: int, k
 
 
 def _same_rows(block: Tensor, row: Tensor) -> bool:
-    """Whether every row of ``block`` equals ``row`` (NaN equals nothing). A boolean block is
-    compared by broadcasting (measured: 0.33 against 0.51 ms for a (2, 1, 512, 512) mask), a
-    float one by ``torch.equal`` against the expanded row (0.46 against 0.75 ms)."""
-    if block.dtype == torch.bool:
-        return bool((block == row).all())
+    """Whether every row of ``block`` equals ``row`` (NaN equals nothing). A boolean block whose
+    rows are whole 8-byte words is compared a word at a time (measured on BERT's (2, 1, 512, 512)
+    mask: 65 us, against 510 us by ``torch.equal`` of the bools and 330 us by broadcasting)."""
+    if block.dtype == torch.bool and block.shape[-1] % 8 == 0:
+        try:
+            words, first = block.view(torch.int64), row.view(torch.int64)
+        except RuntimeError:  # a view that does not fall on word boundaries
+            pass
+        else:
+            return torch.equal(words, first.expand_as(words))
     return torch.equal(block, row.expand_as(block))
 
 

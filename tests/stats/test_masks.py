@@ -253,3 +253,22 @@ def test_reading_a_long_mask_stays_within_a_few_mib(kind):
     else:  # 8 MiB as a boolean mask: over the 4 MiB budget, stays a bias (the general path)
         assert out is call
         assert masks.simplify(call, budget_bytes=16 * 2**20).mask.shape == (2, 1, l, l)
+
+
+@pytest.mark.parametrize("keys", [24, 21])
+def test_a_padding_pattern_is_recognized_word_by_word_or_not_at_all(keys):
+    """Boolean rows that are whole 8-byte words are compared a word at a time: one key that
+    differs in one row (any byte of a word) breaks the padding pattern, as it does for rows that
+    are not whole words, offset views and transposed masks."""
+    from probe.stats.masks import _same_rows
+
+    mask = torch.ones(2, 1, 16, keys, dtype=torch.bool)
+    mask[1, ..., keys - 5 :] = False
+    views = [mask, mask[..., 1:], mask.transpose(-1, -2).contiguous().transpose(-1, -2)]
+    for view in views:
+        assert _same_rows(view, view[..., :1, :])
+    for row, key in [(5, 0), (15, 7), (1, keys - 1), (9, 12)]:
+        broken = mask.clone()
+        broken[1, 0, row, key] = not bool(broken[1, 0, row, key])
+        for view in (broken, broken[..., 0:], broken.transpose(-1, -2).contiguous().transpose(-1, -2)):
+            assert not _same_rows(view, view[..., :1, :]), (row, key)
