@@ -43,12 +43,15 @@ def chan_pair(na: Any, ma: Any, m2a: Any, nb: Any, mb: Any, m2b: Any) -> Tuple[A
     return n, ma + delta * (nb / safe), m2a + m2b + delta * delta * (na * nb / safe)
 
 
-def chan_pool(n: Any, mean: Any, m2: Any) -> Tuple[Any, Any, Any]:
-    """Pool ``k`` parts stacked on dim 0 (the k-way form): ``n = Σ nᵢ``, ``mean = Σ nᵢ·meanᵢ / n``,
-    ``M2 = Σ M2ᵢ + Σ nᵢ·(meanᵢ − mean)²``; parts with ``nᵢ = 0`` are ignored."""
-    total = n.sum(0)
+def chan_pool(n: Any, mean: Any, m2: Any, dims: Any = 0) -> Tuple[Any, Any, Any]:
+    """Pool the parts along ``dims`` (an int or a tuple; dim 0: ``k`` parts stacked, the k-way
+    form): ``n = Σ nᵢ``, ``mean = Σ nᵢ·meanᵢ / n``, ``M2 = Σ M2ᵢ + Σ nᵢ·(meanᵢ − mean)²``; parts
+    with ``nᵢ = 0`` are ignored. The pooled values have ``dims`` removed."""
+    total = n.sum(dims)
     some = n > 0
     safe = _at_least_one(total)
-    pooled = _where(some, n * mean, 0.0).sum(0) / safe
-    spread = _where(some, n * (mean - pooled) ** 2, 0.0).sum(0)
-    return total, pooled, _where(some, m2, 0.0).sum(0) + spread
+    pooled = _where(some, n * mean, 0.0).sum(dims) / safe
+    kept = (dims,) if isinstance(dims, int) else tuple(dims)
+    back = pooled.reshape(tuple(1 if i in kept or i - len(n.shape) in kept else size for i, size in enumerate(n.shape)))
+    spread = _where(some, n * (mean - back) ** 2, 0.0).sum(dims)
+    return total, pooled, _where(some, m2, 0.0).sum(dims) + spread

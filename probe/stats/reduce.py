@@ -66,11 +66,8 @@ def reduce_rows(rows: Rows, saturation: float, acc: torch.dtype, design: Optiona
     """
     n = rows.n
     heads = n.shape[1]
-
-    def parts(t: Tensor) -> Tensor:  # (B, H, L) -> (B·L, H): the rows as parts of each head
-        return t.to(acc).movedim(1, -1).reshape(-1, heads)
-
-    count, mean, m2 = chan_pool(parts(n), parts(rows.mean), parts(rows.m2))
+    # the rows (batch and positions) as parts of each head
+    count, mean, m2 = chan_pool(n.to(acc), rows.mean.to(acc), rows.m2.to(acc), _DIMS)
     top = torch.where(n > 0, rows.top, -math.inf).amax(_DIMS).to(acc)
     low = None if rows.low is None else rows.low.amin(_DIMS).to(acc)
     nonfinite = rows.nonfinite.sum(_DIMS, dtype=acc)
@@ -104,16 +101,18 @@ def ratio_totals(per_row: Tensor, ok: Tensor, n_ok: Tensor, design: Design, acc:
     ``y − R̂·x`` times ``(n / Σ w·x)²`` (linearization). A head with no valid row drawn keeps the
     Horvitz-Thompson total (0) and its variance."""
     weight = design[0].to(ok.device, acc, non_blocking=True)
-    x = ok.to(acc)
-    x_hat = (x * weight).sum(_DIMS)
+    # over the batch first: the batch shares the positions, and the variance is that of the
+    # per-position sums (total_variance)
+    x_b = ok.sum(0, dtype=acc)  # (H, N) valid rows at each position
+    y_b = per_row.sum(-3, dtype=acc)  # (..., H, N)
+    x_hat, y_hat = x_b @ weight, y_b @ weight
     drawn = x_hat > 0
-    factor = torch.where(drawn, n_ok / torch.where(drawn, x_hat, 1.0), 1.0)
-    y = per_row.to(acc)
-    y_hat = (y * weight).sum((-3, -1))
-    ratio = torch.where(drawn, y_hat / torch.where(drawn, x_hat, 1.0), 0.0)
+    safe = torch.where(drawn, x_hat, 1.0)
+    ratio = torch.where(drawn, y_hat / safe, 0.0)
     totals = torch.where(drawn, ratio * n_ok, y_hat)
-    residuals = y - ratio.unsqueeze(-1).unsqueeze(-3) * x
-    return totals, total_variance(residuals, design).to(acc) * factor.square()
+    factor = torch.where(drawn, n_ok / safe, 1.0)
+    residuals = y_b - ratio.unsqueeze(-1) * x_b  # the batch's sums of y − R̂·x per position
+    return totals, _position_variance(residuals, design) * factor.square()
 
 
 def grad_totals(per_row: Tensor, acc: torch.dtype, design: Optional[Design] = None) -> Tuple[Tensor, Optional[Tensor]]:
@@ -123,7 +122,8 @@ def grad_totals(per_row: Tensor, acc: torch.dtype, design: Optional[Design] = No
     if design is None:
         return per_row.sum((1, 3), dtype=acc), None
     weight = design[0].to(per_row.device, acc, non_blocking=True)
-    return (per_row.to(acc) * weight).sum((1, 3)), total_variance(per_row, design).to(acc)
+    y_b = per_row.sum(1, dtype=acc)  # (G, H, N): the batch shares the positions
+    return y_b @ weight, _position_variance(y_b, design)
 
 
 def total_variance(per_row: Tensor, design: Design) -> Tensor:
@@ -132,4 +132,9 @@ def total_variance(per_row: Tensor, design: Design) -> Tensor:
     per-position sums over the batch: the batch shares the positions), ``(..., H)``. ``design``
     from :func:`~probe.stats.sampling.row_design`. NaN when a stratum has one row (``rows=1``)."""
     y = per_row.sum(-3, dtype=torch.float64 if per_row.device.type != "mps" else torch.float32)  # (..., H, N)
+    return _position_variance(y, design)
+
+
+def _position_variance(y: Tensor, design: Design) -> Tensor:
+    """:func:`~probe.stats.sampling.stratified_variance` of per-position sums ``y`` ``(..., H, N)``."""
     return stratified_variance(y.reshape(-1, y.shape[-1]), *design[1:]).reshape(y.shape[:-1])
