@@ -17,8 +17,9 @@ scale as something that multiplies a ``(B, H, l, S)`` chunk (:func:`scale_view`)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -118,18 +119,24 @@ def exp_sums(D: Tensor, D0: Tensor, scales: Sequence[float], e: Tensor, keep: Op
     return sums
 
 
-def softmax_rows(n: Tensor, sums: Sequence[Tensor], scales: Sequence[float]) -> Tuple[Tensor, Tensor]:
+def softmax_rows(n: Tensor, sums: Union[Tensor, Sequence[Tensor]], scales: Sequence[float]) -> Tuple[Tensor, Tensor]:
     """Normalized entropy and max probability per row and scale, ``(G, B, H, N)`` each, from
-    :func:`exp_sums`: ``H = log Σe − σ·Σe·D / Σe`` and ``max P = 1/Σe`` (the max of ``σD`` is 0);
-    0 on rows with fewer than two valid keys (``n``)."""
+    :func:`exp_sums` (a list, or those stacked on dim 0): ``H = log Σe − σ·Σe·D / Σe`` and
+    ``max P = 1/Σe`` (the max of ``σD`` is 0); 0 on rows with fewer than two valid keys
+    (``n``). Every scale at once: the same operations, the scales a ``(G, 1, …)`` tensor."""
+    stacked = sums if isinstance(sums, Tensor) else torch.stack(list(sums))
+    se, sed = stacked[0::2], stacked[1::2]
     ok = n >= 2
     log_n = torch.log(n.clamp(min=2))
-    entropy, max_prob = [], []
-    for i, sigma in enumerate(scales):
-        se, sed = sums[2 * i], sums[2 * i + 1]
-        entropy.append(torch.where(ok, (torch.log(se) - sigma * sed / se).clamp(min=0) / log_n, 0.0))
-        max_prob.append(torch.where(ok, 1.0 / se, 0.0))
-    return torch.stack(entropy), torch.stack(max_prob)
+    sigma = _sigmas(tuple(float(s) for s in scales), se.dim(), se.dtype, se.device)
+    entropy = torch.where(ok, (torch.log(se) - sigma * sed / se).clamp(min=0) / log_n, 0.0)
+    return entropy, torch.where(ok, 1.0 / se, 0.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _sigmas(scales: Tuple[float, ...], dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The scales as a ``(G, 1, …, 1)`` tensor of ``dim`` dims (cached: callers must not change it)."""
+    return torch.tensor(scales, dtype=dtype, device=device).reshape((-1,) + (1,) * (dim - 1))
 
 
 def nonfinite_rows(bad: Tensor, n: Tensor, top: Tensor, sigma: float) -> Tensor:
