@@ -112,9 +112,11 @@ class CentredPrep:
                 mean = rows_k.mean(-2, keepdim=True)
                 rows_k.sub_(mean)
                 n = torch.ones(1, 1, keys, device=q.device)
-            else:
-                mean = torch.matmul(w.unsqueeze(-2), rows_k) / w.sum(-1).clamp(min=1)[..., None, None]
-                rows_k.sub_(mean).mul_(w.unsqueeze(-1))
+            else:  # masked keys zeroed first, then w·(k − k̄) = w·k − w·k̄ (a sum over keys: 30 us
+                wk = w.unsqueeze(-1)  # per BERT call less than w as a (1 × S) product)
+                rows_k.mul_(wk)
+                mean = rows_k.sum(-2, keepdim=True) / w.sum(-1).clamp(min=1)[..., None, None]
+                rows_k.addcmul_(wk, mean, value=-1)
                 n = w
             kbar = mean.transpose(-1, -2)
             self.kt = rows_k.transpose(-1, -2)
