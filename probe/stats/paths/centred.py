@@ -214,7 +214,8 @@ def row_sums(prep: CentredPrep, q: Tensor, scratch: Scratch) -> Tensor:
 
 def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[float], step: int,
                   picks: Sequence[Optional[Tensor]], scratch: Optional[Scratch] = None,
-                  keep: Optional[List[Tuple[int, Tensor]]] = None) -> Tuple[List[Tensor], List[Tensor]]:
+                  keep: Optional[List[Tuple[int, Tensor]]] = None,
+                  positions: Optional[Tensor] = None) -> Tuple[List[Tensor], List[Tensor]]:
     """Per-row sums of the centred path (module docstring): ``exact = [n, r, μ, M2, 0]`` for every
     row (:func:`exact_rows`) and ``soft = [n, r, Σe_1, Σe·D_1, …]`` for the rows ``picks`` (as
     :func:`~probe.stats.paths.shifted.chunk_sums` returns them; :func:`to_rows` takes both).
@@ -228,6 +229,8 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
     (:func:`probe.stats.paths.shifted.grad_rows`), each batch of sampled rows' exponentials as
     ``(first row, (G, B, H, rows, keys seen) tensor)``, every scale's, in the rows' order: a causal
     batch spans the keys of its last chunk only (beyond a row's own chunk its entries are 0).
+    ``positions``: the sampled rows' sorted positions, on the call's device, which a call without
+    causal masking takes instead of ``picks`` (then ``[None]``: not split into chunks).
     """
     q = call.q
     batch, heads, length, dim = q.shape
@@ -241,8 +244,13 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
         above = torch.ones(step, step, dtype=torch.bool, device=device).triu(1)
         lower = (~above).float()
         upper = torch.zeros(step, step, device=device).masked_fill_(above, NEG)
-    every = all(p is None for p in picks)
-    rows_all = None if every else torch.cat([p + r0 for p, r0 in zip(picks, range(0, length, step)) if p is not None])
+    if positions is not None and call.causal:
+        raise ValueError("centred_rows: `positions` replace `picks` only without causal masking")
+    every = positions is None and all(p is None for p in picks)
+    if positions is not None:
+        rows_all: Optional[Tensor] = positions
+    else:
+        rows_all = None if every else torch.cat([p + r0 for p, r0 in zip(picks, range(0, length, step)) if p is not None])
     # without causal masking the rows go in any order: the sampled ones first, so that they are
     # the leading rows of the first chunks, and their exponentials run on C in place (no gather)
     order = inverse = None
@@ -304,7 +312,7 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
         # centring's rounding); the sampled rows get their NEG in flush()
         cmax = C.amax(-1)
         parts.append(torch.stack([sq, cmax]))
-        pick = picks[index]
+        pick = picks[index] if order is None else None
         if every:
             top = torch.where(cmax <= NEG / 2, 0.0, cmax).unsqueeze(-1)
             assert work is not None
@@ -391,7 +399,11 @@ def forward_rows(call: AttentionCall, plan: CallPlan, scratch: Scratch) -> Rows:
     also when its mask held the causal pattern: ``plan.causal``)."""
     call = dataclasses.replace(call, causal=plan.causal)
     keep: Optional[List[Tuple[int, Tensor]]] = [] if plan.keep else None
-    exact, soft = centred_rows(call, plan.valid, plan.floats, plan.step, chunk_picks(call, plan)[1], scratch, keep)
+    if plan.positions is not None and not call.causal:  # the sampled rows go first: not split into chunks
+        exact, soft = centred_rows(call, plan.valid, plan.floats, plan.step, [None], scratch, keep,
+                                   positions=plan.positions.to(call.q.device, non_blocking=True))
+    else:
+        exact, soft = centred_rows(call, plan.valid, plan.floats, plan.step, chunk_picks(call, plan)[1], scratch, keep)
     if keep:  # the sampled rows' exponentials and each row's Σe, (G, B, H, N), for the backward
         plan.carry["exps"] = (keep, torch.stack(soft[2::2]))
     return to_rows(exact, soft, plan.floats)
