@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -129,7 +131,11 @@ class ModuleStack(SiteStack):
         mode = torch._C._get_function_stack_at(n - 1 - len(riders)) if n > len(riders) else None
         if not isinstance(mode, CaptureMode) or not mode.recording:
             return
-        frontend = next((f for f in mode.frontends if f.runs_fused(module, args)), None)
+        frontend = None
+        for candidate in mode._fusers:  # only front ends overriding FrontEnd.runs_fused can claim it
+            if candidate.runs_fused(module, args):
+                frontend = candidate
+                break
         if frontend is None:
             return
         for _ in range(len(riders) + 1):
@@ -165,11 +171,10 @@ class CaptureMode(TorchFunctionMode):
                  reserve: Optional[Callable[[], Any]] = None) -> None:
         super().__init__()
         self._reserve = reserve
-        self._routes: Dict[Callable[..., Any], FrontEnd] = {}
-        for frontend in frontends:
-            for func in frontend.funcs:
-                self._routes[func] = frontend
         self.frontends: List[FrontEnd] = list(frontends)
+        # function -> index of its front end in self.frontends (the last one naming it), built
+        # once per set of front ends: a probe makes a mode at every sampled step
+        self._routes = _routes(self.frontends)
         self.emit = emit
         self.recording = emit is not None
         self._traceable = [(f, fe) for fe in frontends if fe.traceable for f in fe.funcs]
@@ -179,6 +184,9 @@ class CaptureMode(TorchFunctionMode):
         # the front ends that can hold recorded calls (asked at every module boundary): those
         # overriding FrontEnd.has_pending, which is always False
         self._holders = [fe for fe in frontends if type(fe).has_pending is not FrontEnd.has_pending]
+        # the front ends that may claim a module for PyTorch's fused kernel (asked at every module
+        # entry): those overriding FrontEnd.runs_fused, which is always False
+        self._fusers = [fe for fe in frontends if type(fe).runs_fused is not FrontEnd.runs_fused]
 
     def __exit__(self, *exc: Any) -> None:
         # Front ends that track tensors during the forward (eager) forget them here.
@@ -199,7 +207,8 @@ class CaptureMode(TorchFunctionMode):
                 if func is traced:
                     return frontend.handle(func, args, kwargs, self.emit)
             return func(*args, **kwargs)
-        frontend = self._routes.get(func)
+        route = self._routes.get(func)
+        frontend = None if route is None else self.frontends[route]
         if frontend is None:
             catch_all = self._catch_all
             if catch_all is None or not catch_all.watching(args, kwargs, func):
@@ -225,7 +234,10 @@ class CaptureMode(TorchFunctionMode):
 
     def pending(self) -> bool:
         """Whether a front end holds calls recorded but not yet measured."""
-        return any(f.has_pending() for f in self._holders)
+        for frontend in self._holders:  # a loop, not any() over a generator: every module boundary
+            if frontend.has_pending():
+                return True
+        return False
 
     def drain(self, site: str) -> None:
         """Have front ends measure their recorded calls now (:meth:`FrontEnd.drain`), with this
@@ -245,8 +257,30 @@ class CaptureMode(TorchFunctionMode):
         """Whether this mode records and its front end for ``func`` applies overrides itself
         (its class sets ``applies_overrides = True``), so an intervention mode above this one
         must leave the call to it: probe then records the overridden scale as ``actual``."""
-        frontend = self._routes.get(func)
-        return self.recording and frontend is not None and frontend.applies_overrides
+        route = self._routes.get(func)
+        return self.recording and route is not None and self.frontends[route].applies_overrides
+
+
+# The routes of recent sets of front ends, by their ids: (the front ends, weakly; their funcs; the routes).
+_ROUTES: "OrderedDict[Tuple[int, ...], Tuple[Tuple[weakref.ref, ...], Tuple[Any, ...], Dict[Callable[..., Any], int]]]" = OrderedDict()
+
+
+def _routes(frontends: Sequence[FrontEnd]) -> Dict[Callable[..., Any], int]:
+    """Function -> index of the front end that intercepts it (the last one naming it), cached for
+    the same front ends (callers must not change the dict)."""
+    key = tuple(id(f) for f in frontends)
+    hit = _ROUTES.get(key)
+    if (hit is not None and all(r() is f for r, f in zip(hit[0], frontends))
+            and all(funcs is f.funcs for funcs, f in zip(hit[1], frontends))):
+        return hit[2]
+    routes: Dict[Callable[..., Any], int] = {}
+    for index, frontend in enumerate(frontends):
+        for func in frontend.funcs:
+            routes[func] = index
+    _ROUTES[key] = (tuple(weakref.ref(f) for f in frontends), tuple(f.funcs for f in frontends), routes)
+    while len(_ROUTES) > 16:
+        _ROUTES.popitem(last=False)
+    return routes
 
 
 def _recorder_below(func: Callable[..., Any]) -> bool:
