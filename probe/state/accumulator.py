@@ -46,17 +46,16 @@ class Accumulator:
 
     def pack(self) -> Tuple[Tensor, Entries]:
         """Flatten every field of every site into one tensor (the one device→host transfer)."""
-        parts: List[Tensor] = []
-        layout: Entries = []
-        dtype = None
-        for key, state in self.states.items():
-            for field, value in state.items():
-                dtype = dtype or value.dtype
-                flat = value.reshape(-1)
-                parts.append(flat if flat.dtype == dtype else flat.to(dtype))
-                layout.append((key, field, tuple(value.shape)))
-        if not parts:
+        # comprehensions, not a loop of appends: a flush packs every field of every site
+        layout: Entries = [(key, field, tuple(value.shape)) for key, state in self.states.items()
+                           for field, value in state.items()]
+        if not layout:
             return torch.zeros(0, dtype=torch.float64), layout
+        parts: List[Tensor] = [value if value.dim() == 1 else value.reshape(-1)
+                               for state in self.states.values() for value in state.values()]
+        dtype = parts[0].dtype  # the first field's: any other is converted to it
+        if any(part.dtype != dtype for part in parts):
+            parts = [part.to(dtype) for part in parts]
         return torch.cat(parts), layout
 
     def reset(self) -> None:
