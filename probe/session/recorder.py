@@ -410,7 +410,7 @@ class Recorder:
                 self.window = []
             if not layout:
                 return None
-            names = {key: self.site_name(key) for key, _, _ in layout}
+            names = {key: self.site_name(key) for key in dict.fromkeys(key for key, _, _ in layout)}  # once per site
         return Window(step, steps or [step], flat, event, layout, names, infos)
 
     def not_measured(self, key: SiteKey, info: SiteInfo) -> Dict[str, str]:
