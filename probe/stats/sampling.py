@@ -156,11 +156,9 @@ _MAX_TERMS = 64
 
 def _variance_terms(stratum: Tensor, sizes: Tensor, drawn: Tensor, device: torch.device,
                     dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(stratum, member, n_h, factor)`` on ``device``: ``member`` the ``(N, strata)`` 0/1 matrix
-    of each position's stratum, ``factor`` per position its stratum's ``L_h² (1 − n_h/L_h) / n_h
-    / (n_h − 1)`` (NaN for a stratum of one draw that is not the whole stratum, 0 for one drawn
-    whole: exact). Built once per design (the cached designs of :func:`_drawn_design` come back
-    every call)."""
+    """``(stratum, n_h, factor, whole)`` on ``device``: ``factor_h = L_h² (1 − n_h/L_h) / n_h /
+    (n_h − 1)`` (NaN for a stratum of one draw that is not the whole stratum), ``whole`` the strata drawn whole (exact: 0). Built
+    once per design (the cached designs of :func:`_drawn_design` come back every call)."""
     key = (id(stratum), id(sizes), id(drawn), device, dtype)
     hit = _TERMS.get(key)
     if hit is not None and hit[0] is stratum and hit[1] is sizes and hit[2] is drawn:
@@ -168,9 +166,7 @@ def _variance_terms(stratum: Tensor, sizes: Tensor, drawn: Tensor, device: torch
         return hit[3:]
     L_h, n_h = sizes.to(dtype), drawn.to(dtype)
     factor = torch.where(n_h > 1, L_h.square() * (1 - n_h / L_h) / n_h / (n_h - 1).clamp(min=1), math.nan)
-    factor = torch.where(n_h >= L_h, 0.0, factor)  # a stratum drawn whole: exact
-    member = torch.nn.functional.one_hot(stratum, sizes.shape[0]).to(dtype)
-    terms = tuple(t.to(device) for t in (stratum, member, n_h, factor[stratum]))
+    terms = tuple(t.to(device) for t in (stratum, n_h, factor, n_h >= L_h))
     _TERMS[key] = (stratum, sizes, drawn) + terms
     while len(_TERMS) > _MAX_TERMS:
         _TERMS.popitem(last=False)
@@ -181,8 +177,10 @@ def stratified_variance(y: Tensor, stratum: Tensor, sizes: Tensor, drawn: Tensor
     """The estimated variance of the stratified total of ``y`` ``(H, N)`` (one column per sampled
     position): ``Σ_h L_h² (1 − n_h/L_h) / n_h · s_h²``, per row of ``y``. NaN where a stratum has
     one draw (``rows=1``: one row estimates the total, not its spread, and 0 would read as
-    exact). ``stratum``, ``sizes``, ``drawn`` from :func:`row_design`. Six operations: the
-    strata's means and the weighted squares as products with the design's cached terms."""
-    g, member, n_h, factor = _variance_terms(stratum, sizes, drawn, y.device, y.dtype)
-    mean = (y @ member) / n_h  # (H, strata)
-    return (y - mean.index_select(1, g)).square() @ factor
+    exact). ``stratum``, ``sizes``, ``drawn`` from :func:`row_design`."""
+    dev = y.device
+    g, n_h, factor, whole = _variance_terms(stratum, sizes, drawn, dev, y.dtype)
+    heads, count = y.shape[0], sizes.shape[0]
+    mean = torch.zeros(heads, count, dtype=y.dtype, device=dev).index_add_(1, g, y) / n_h
+    ss = torch.zeros(heads, count, dtype=y.dtype, device=dev).index_add_(1, g, (y - mean[:, g]).square())
+    return torch.where(whole, 0.0, factor * ss).sum(-1)  # a whole stratum: exact

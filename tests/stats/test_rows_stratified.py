@@ -191,3 +191,20 @@ def test_the_variance_estimate_is_cochrans_formula_stratum_by_stratum(length, ro
     if rows < length and rows > 2:
         w, s, L_h, n_h = row_design(odd, length)
         assert L_h.tolist() == [length] and n_h.tolist() == [rows] and torch.allclose(w, torch.full((rows,), length / rows, dtype=torch.float64))
+
+
+def test_a_nonfinite_value_stays_in_its_stratum():
+    """NaN or inf at a position of the head (a stratum drawn whole, variance 0) leaves the
+    variance estimate finite; in a sampled stratum it makes it non-finite. Strata do not mix
+    (a product with the design's 0/1 matrix would spread NaN·0 to every stratum)."""
+    positions = sample_rows(64, 16, torch.Generator().manual_seed(0))
+    design = row_design(positions, 64)
+    y = torch.randn(3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    clean = stratified_variance(y, *design[1:])
+    head = int(design[3][0])  # the first stratum: the head, drawn whole
+    assert head == 4 and int(design[2][0]) == head
+    y[0, 1], y[1, 1] = math.nan, math.inf  # inside the head
+    y[2, head + 1] = math.nan  # in the first sampled stratum
+    got = stratified_variance(y, *design[1:])
+    torch.testing.assert_close(got[:2], clean[:2], rtol=0, atol=0)
+    assert torch.isnan(got[2])
