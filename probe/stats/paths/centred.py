@@ -272,21 +272,27 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
     done = 0  # sampled rows whose exponentials ran
     cmax_parts: List[Tensor] = []  # their amax, until their exponentials run
 
-    def flush(cols: int) -> None:  # the gathered rows' exponentials, over the keys seen so far
-        nonlocal used, done, cmax_parts
-        top = torch.cat(cmax_parts, dim=-1) if len(cmax_parts) > 1 else cmax_parts[0]
-        D = sampled[:, :, :used, :cols]
+    def exps(D: Tensor, top: Tensor, cols: int, buf: Tensor) -> None:
+        """The exponentials of sampled rows from their ``C`` (``D``, changed in place) and row max
+        ``top``, over keys ``:cols``; ``buf``: a buffer of at least ``D``'s size."""
+        nonlocal done
         if prep.keybias is not None and not call.causal:  # masked keys: 0 in C, NEG here
             D.add_(prep.keybias[..., :cols])
         D.sub_(torch.where(top <= NEG / 2, 0.0, top).unsqueeze(-1))
         # kept: the exponentials go where the backward finds them, one tensor per batch of rows
         kept = None if keep is None else kept_buffer((len(scales),) + tuple(D.shape), device)
-        soft_parts.append(torch.stack(exp_sums(D, D, scales, e_buf[: D.numel()].view(D.shape), kept)))
+        soft_parts.append(torch.stack(exp_sums(D, D, scales, buf[: D.numel()].view(D.shape), kept)))
         if keep is not None and kept is not None:  # (kept is None exactly when keep is)
             keep.append((done, kept))
+        done += D.shape[2]
+
+    def flush(cols: int) -> None:  # the gathered rows' exponentials, over the keys seen so far
+        nonlocal used, cmax_parts
+        assert sampled is not None and e_buf is not None
+        D = sampled[:, :, :used, :cols]
+        exps(D, torch.cat(cmax_parts, dim=-1) if len(cmax_parts) > 1 else cmax_parts[0], cols, e_buf)
         if call.causal:  # the buffer is reused: keys beyond a later row's chunk stay masked
             D.fill_(NEG)
-        done += used
         used, cmax_parts = 0, []
     for index, r0 in enumerate(range(0, length, step)):
         r1 = min(length, r0 + step)
@@ -321,16 +327,7 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
             assert rows_all is not None and work is not None
             m = max(0, min(rows, rows_all.shape[0] - r0))  # this chunk's sampled rows: its first m
             if m > 0:
-                D = C[:, :, :m]
-                if prep.keybias is not None:  # masked keys: 0 in C, NEG here
-                    D.add_(prep.keybias[..., :cols])
-                top = cmax[:, :, :m]
-                D.sub_(torch.where(top <= NEG / 2, 0.0, top).unsqueeze(-1))
-                kept = None if keep is None else kept_buffer((len(scales),) + tuple(D.shape), device)
-                soft_parts.append(torch.stack(exp_sums(D, D, scales, work[: D.numel()].view(D.shape), kept)))
-                if keep is not None and kept is not None:
-                    keep.append((done, kept))
-                done += m
+                exps(C[:, :, :m], cmax[:, :, :m], cols, work)
         else:
             taken = 0
             while pick is not None and taken < pick.shape[0]:

@@ -123,7 +123,7 @@ def forward_rows(call: AttentionCall, plan: CallPlan, scratch: Scratch) -> Rows:
     soft_n = torch.cat(n_parts, dim=-1) if len(n_parts) > 1 else n_parts[0]
     n, r, sum_d, sum_d2, bad = exact_all.unbind(0)
     mean, m2 = moment_rows(n, r, sum_d, sum_d2, plan.acc)
-    entropy, max_prob = softmax_rows(soft_n, list(soft_all.unbind(0)), floats)
+    entropy, max_prob = softmax_rows(soft_n, soft_all, floats)  # the sums stacked, as softmax_rows takes them
     return Rows(n, r, mean, m2, nonfinite_rows(bad, n, r, floats[0]), None, soft_n, entropy, max_prob)
 
 
