@@ -144,6 +144,7 @@ class FlexFrontEnd(FrontEnd):
         # Traced by Dynamo inside flex's compiled region: keep to one call and one list append.
         output = func(*args, **kwargs)
         self.pending.append((args, kwargs, output))
+        self.held()
         return output
 
     def has_pending(self) -> bool:

@@ -359,6 +359,7 @@ class MHAFrontEnd(FrontEnd):
     """
 
     funcs: Tuple[Callable[..., Any], ...] = (F.multi_head_attention_forward,) + _FUSED
+    fused_types = (nn.MultiheadAttention, nn.TransformerEncoderLayer)  # runs_fused claims only these
     applies_overrides = True
 
     def __init__(self) -> None:
@@ -370,6 +371,7 @@ class MHAFrontEnd(FrontEnd):
         if func in _FUSED:
             if emit is not None:
                 self.pending.append(getattr(func, "__name__", repr(func)))  # warned by drain, naming the site
+                self.held()
             return func(*args, **kwargs)
         change = lookup_mha(args, kwargs)
         if not mirrors(args, kwargs):

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from probe.capture.frontend import Emit, FrontEnd
+from probe.capture.frontend import _FUSED_TYPES, _HELD, Emit, FrontEnd, settled
 from probe.capture.sites import SiteStack, SitesFilter, WRAPPER_ATTRS, site_filter, site_names
 from probe.experiment.overrides import is_applying
 
@@ -89,11 +89,11 @@ class ModuleStack(SiteStack):
                 break
 
     def _entering(self) -> None:
-        if self._stack:
+        if self._stack and _HELD[0]:  # (a front end may hold calls: FrontEnd.held)
             self._drain()  # calls recorded so far belong to the running module, not this child
 
     def _entered(self, module: nn.Module, name: str, args: Any) -> None:
-        if self._suspended is None:
+        if self._suspended is None and isinstance(module, _FUSED_TYPES[0]):  # a type some front end may claim
             self._maybe_run_fused(module, name, args)
 
     def _leaving(self, module: nn.Module) -> None:
@@ -102,18 +102,23 @@ class ModuleStack(SiteStack):
             for rider in reversed(self._suspended[2]):
                 torch._C._push_on_torch_function_stack(rider)
             self._suspended = None
-        if self._stack and self._stack[-1][0] == id(module):
+        if _HELD[0] and self._stack and self._stack[-1][0] == id(module):
             self._drain()
 
     def _drain(self) -> None:
         """Let front ends measure calls they could only record (FlexAttention, whose operator
         runs inside a compiled region): at every module boundary, attributed to the module on top
         of the stack (the one that issued them), measured with the capture mode paused so the
-        statistics' ops are not captured."""
+        statistics' ops are not captured. Called only after a front end said it holds a call
+        (:meth:`FrontEnd.held`); when no recording mode holds one, the next boundaries skip."""
+        held = False
         for i in range(torch._C._len_torch_function_stack()):
             mode = torch._C._get_function_stack_at(i)
             if isinstance(mode, CaptureMode) and mode.recording and mode.pending():
                 mode.drain(self._stack[-1][1])
+                held = held or mode.pending()  # (a drain that measured nothing keeps its calls)
+        if not held and self._suspended is None:  # (a suspended mode is off the stack: ask again later)
+            settled()
 
     def _maybe_run_fused(self, module: nn.Module, name: str, args: Any) -> None:
         """Let a module run PyTorch's fused kernel when only that path can run it.
@@ -132,8 +137,8 @@ class ModuleStack(SiteStack):
         if not isinstance(mode, CaptureMode) or not mode.recording:
             return
         frontend = None
-        for candidate in mode._fusers:  # only front ends overriding FrontEnd.runs_fused can claim it
-            if candidate.runs_fused(module, args):
+        for candidate in mode._fusers:  # only front ends overriding FrontEnd.runs_fused, for their types
+            if isinstance(module, candidate.fused_types or nn.Module) and candidate.runs_fused(module, args):
                 frontend = candidate
                 break
         if frontend is None:
