@@ -17,7 +17,7 @@ from torch import nn
 from probe.experiment import overrides
 from probe.call import AttentionCall
 
-__all__ = ["Emit", "FrontEnd", "NamedSite", "fused_types", "settled"]
+__all__ = ["Emit", "FrontEnd", "NamedSite", "FUSED", "FUSED_TYPES", "HELD", "fused_types", "settled"]
 
 #: Receives each record; ``None`` when the mode only applies overrides (records nothing).
 Emit = Callable[[AttentionCall], None]
@@ -55,13 +55,13 @@ class FrontEnd:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.runs_fused is not FrontEnd.runs_fused:  # may claim a module: boundaries ask it for these types
-            _FUSED.extend(cls.fused_types or (nn.Module,))
-            _FUSED_TYPES[0] = tuple(dict.fromkeys(_FUSED))
+            FUSED.extend(cls.fused_types or (nn.Module,))
+            FUSED_TYPES[0] = tuple(dict.fromkeys(FUSED))
 
     @staticmethod
     def held() -> None:
         """This front end now holds a recorded call that :meth:`drain` must measure."""
-        _HELD[0] = True
+        HELD[0] = True
 
     def passes(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
         """Whether the mode may run this routed call untouched, without :meth:`handle` (a cheap
@@ -110,19 +110,19 @@ class FrontEnd:
 
 # The module types some front end may claim for PyTorch's fused kernel (FrontEnd.fused_types of the
 # classes overriding runs_fused), as a tuple for isinstance.
-_FUSED: List[type] = []
-_FUSED_TYPES: List[Tuple[type, ...]] = [()]
+FUSED: List[type] = []
+FUSED_TYPES: List[Tuple[type, ...]] = [()]
 
 # Whether a front end may hold recorded calls (FrontEnd.held): set when one records, cleared by a
 # module boundary that asked every recording mode and found none (ModuleStack reads it directly).
-_HELD = [False]
+HELD = [False]
 
 
 def fused_types() -> Tuple[type, ...]:
     """The module types a front end may claim at a module's entry (:meth:`FrontEnd.runs_fused`)."""
-    return _FUSED_TYPES[0]
+    return FUSED_TYPES[0]
 
 
 def settled() -> None:
     """Every recording mode was asked and no front end holds a call (a module boundary drained)."""
-    _HELD[0] = False
+    HELD[0] = False

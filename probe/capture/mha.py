@@ -402,10 +402,9 @@ class MHAFrontEnd(FrontEnd):
         """Whether ``module`` gets a nested-tensor input, which only PyTorch's fused path accepts.
 
         Then :class:`~probe.capture.mode.ModuleStack` lets it run outside the capture mode
-        (outputs bitwise unchanged) and :meth:`measure_fused` measures it instead.
-        """
-        if not isinstance(module, (nn.MultiheadAttention, nn.TransformerEncoderLayer)) or not args or not _nested(args[0]):
-            return False  # the type first: this runs at every module call of a sampled forward
+        (outputs bitwise unchanged) and :meth:`measure_fused` measures it instead."""
+        if not isinstance(module, self.fused_types) or not args or not _nested(args[0]):
+            return False  # (module entries ask only for fused_types; a direct caller may not)
         if isinstance(module, nn.TransformerEncoderLayer):
             return isinstance(module.self_attn, nn.MultiheadAttention)
         return isinstance(module, nn.MultiheadAttention)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from probe.capture.frontend import _FUSED_TYPES, _HELD, Emit, FrontEnd, settled
+from probe.capture.frontend import FUSED_TYPES, HELD, Emit, FrontEnd, settled
 from probe.capture.sites import SiteStack, SitesFilter, WRAPPER_ATTRS, site_filter, site_names
 from probe.experiment.overrides import is_applying
 
@@ -89,11 +89,11 @@ class ModuleStack(SiteStack):
                 break
 
     def _entering(self) -> None:
-        if self._stack and _HELD[0]:  # (a front end may hold calls: FrontEnd.held)
+        if self._stack and HELD[0]:  # (a front end may hold calls: FrontEnd.held)
             self._drain()  # calls recorded so far belong to the running module, not this child
 
     def _entered(self, module: nn.Module, name: str, args: Any) -> None:
-        if self._suspended is None and isinstance(module, _FUSED_TYPES[0]):  # a type some front end may claim
+        if self._suspended is None and isinstance(module, FUSED_TYPES[0]):  # a type some front end may claim
             self._maybe_run_fused(module, name, args)
 
     def _leaving(self, module: nn.Module) -> None:
@@ -102,7 +102,7 @@ class ModuleStack(SiteStack):
             for rider in reversed(self._suspended[2]):
                 torch._C._push_on_torch_function_stack(rider)
             self._suspended = None
-        if _HELD[0] and self._stack and self._stack[-1][0] == id(module):
+        if HELD[0] and self._stack and self._stack[-1][0] == id(module):
             self._drain()
 
     def _drain(self) -> None:

@@ -68,7 +68,7 @@ def test_held_calls_are_drained_at_their_modules_return_also_after_quiet_boundar
     # asked only at the boundaries after a call was held (two per held call: the module's own
     # return drains it, the next boundary settles), not at each of the 13 module entries and exits
     assert 0 < holder.asked <= 6
-    assert frontend._HELD[0] is False
+    assert frontend.HELD[0] is False
 
 
 def test_a_front_end_that_never_holds_is_never_asked():
@@ -102,6 +102,6 @@ def test_fusers_are_asked_for_their_declared_module_types_only():
         _run(nn.Sequential(_Block(False)), [_Untyped()])
         assert asked == ["any:_Block", "any:Linear"]
     finally:  # the registry is global: leave it as the library's front ends made it
-        del frontend._FUSED[-2:]
-        frontend._FUSED_TYPES[0] = tuple(dict.fromkeys(frontend._FUSED))
+        del frontend.FUSED[-2:]
+        frontend.FUSED_TYPES[0] = tuple(dict.fromkeys(frontend.FUSED))
     assert nn.Module not in frontend.fused_types()
