@@ -17,7 +17,7 @@ from torch import nn
 from probe.experiment import overrides
 from probe.call import AttentionCall
 
-__all__ = ["Emit", "FrontEnd", "NamedSite", "FUSED", "FUSED_TYPES", "HELD", "fused_types", "settled"]
+__all__ = ["Emit", "FrontEnd", "NamedSite", "FUSED_TYPES", "HELD", "settled"]
 
 #: Receives each record; ``None`` when the mode only applies overrides (records nothing).
 Emit = Callable[[AttentionCall], None]
@@ -55,8 +55,7 @@ class FrontEnd:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.runs_fused is not FrontEnd.runs_fused:  # may claim a module: boundaries ask it for these types
-            FUSED.extend(cls.fused_types or (nn.Module,))
-            FUSED_TYPES[0] = tuple(dict.fromkeys(FUSED))
+            FUSED_TYPES[0] = tuple(dict.fromkeys(FUSED_TYPES[0] + (cls.fused_types or (nn.Module,))))
 
     @staticmethod
     def held() -> None:
@@ -109,18 +108,12 @@ class FrontEnd:
 
 
 # The module types some front end may claim for PyTorch's fused kernel (FrontEnd.fused_types of the
-# classes overriding runs_fused), as a tuple for isinstance.
-FUSED: List[type] = []
+# classes overriding runs_fused), as a tuple for isinstance (ModuleStack reads it directly).
 FUSED_TYPES: List[Tuple[type, ...]] = [()]
 
 # Whether a front end may hold recorded calls (FrontEnd.held): set when one records, cleared by a
 # module boundary that asked every recording mode and found none (ModuleStack reads it directly).
 HELD = [False]
-
-
-def fused_types() -> Tuple[type, ...]:
-    """The module types a front end may claim at a module's entry (:meth:`FrontEnd.runs_fused`)."""
-    return FUSED_TYPES[0]
 
 
 def settled() -> None:
