@@ -324,3 +324,29 @@ def test_sampled_rows_mask_padded_keys_as_every_row_does(monkeypatch, path, caus
         torch.testing.assert_close(getattr(sampled, name), getattr(every, name)[..., picked], rtol=1e-5,
                                    atol=1e-6, msg=name)
     _check(call, pad)
+
+
+@pytest.mark.parametrize("valid_kind", ["none", "row"])
+@pytest.mark.parametrize("hk", [4, 2])
+def test_prep_row_sums_are_those_of_its_centred_keys(valid_kind, hk):
+    """Without causal masking the prep's one product per block gives each row's ``Σ_j C_ij``
+    (``q_i·Σk̃`` over the valid keys, the rounded centred keys it multiplies) and its shift
+    ``q_i·k̄``, both against float64 references, also for mean-dominated q (the shift's large part
+    is float64) and grouped-query attention."""
+    q, k = _inputs(hk=hk, l=37, s=45, d=16, mean=300.0, noise=0.5, seed=3)
+    _, key_mask = _mask(valid_kind, 2, 37, 45)
+    valid = None if key_mask is None else key_mask[:, :, 0].expand(2, 1, 45)
+    call = AttentionCall(q=q, k=k, v=None, scale=None)
+    prep = centred.CentredPrep(call, valid)
+    assert prep.csum is not None and prep.csum.dtype == torch.float64
+    g = 4 // hk
+    kt = prep.kt.double().repeat_interleave(g, 1)  # (B, H, d, S): masked keys are zero there
+    want = (q.double() @ kt).sum(-1)
+    scale = q.double().norm(dim=-1) * kt.sum(-1).norm(dim=-1).unsqueeze(-1)
+    assert torch.all((prep.csum - want).abs() <= 1e-5 * scale + 1e-12)
+    kbar = prep.kbar.double().repeat_interleave(g, 1)  # (B, H, d, 1)
+    shift = (q.double() @ kbar).squeeze(-1)
+    assert torch.allclose(prep.shift, shift, rtol=1e-9, atol=1e-6)
+    assert torch.equal(centred.row_sums(prep, q, buffers.Scratch(0, q.device)), prep.csum)
+    causal = centred.CentredPrep(AttentionCall(q=q, k=k, v=None, scale=None, causal=True), valid)
+    assert causal.csum is None  # causal rows sum prefixes of the keys (row_sums)

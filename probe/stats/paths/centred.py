@@ -126,17 +126,25 @@ class CentredPrep:
         # q̄ is any fixed point near the rows (a float32 mean: q − q̄ rounds by 2⁻²⁴·|q_i| whatever
         # q̄'s own rounding), and the rows go in blocks, so that q − q̄ is never a q-sized temporary
         qbar = q.sum((0, 2), keepdim=True, dtype=torch.float32) / max(1, batch * length)  # (1, H, 1, d)
-        kq = kbar.transpose(-1, -2).unsqueeze(2).expand(batch, kv, g, 1, dim).reshape(batch, heads, 1, dim)
-        base = (qbar.double() * kq.double()).sum(-1)  # (B, H, 1) float64
-        self.shift = torch.empty(batch, heads, length, dtype=torch.float64, device=q.device)
+        # one product per block of centred rows serves both per-row sums a call without causal
+        # masking needs: q_i·k̄ (the shift) and q_i·Σ_j k̃_j (row_sums; ≈ 0, the centring's
+        # rounding), as (q_i − q̄)·[k̄, Σk̃] plus q̄·[k̄, Σk̃] in float64; causal rows sum prefixes
+        sums = self.kt is not None and not call.causal
+        cols = kbar if not sums else torch.cat([kbar, self.kt.sum(-1, keepdim=True)], -1)  # (B, Hk, d, 1|2)
+        kq = cols.transpose(-1, -2).unsqueeze(2).expand(batch, kv, g, cols.shape[-1], dim).reshape(
+            batch, heads, cols.shape[-1], dim)
+        base = (qbar.double() * kq.double()).sum(-1).unsqueeze(-2)  # (B, H, 1, 1|2) float64
+        out = torch.empty(batch, heads, length, cols.shape[-1], dtype=torch.float64, device=q.device)
         block = max(1, block_bytes // max(1, batch * heads * dim * 4))
         kq_t = kq.transpose(-1, -2)
         for r0 in range(0, length, block):
             rows_q = q[:, :, r0 : r0 + block]
             shape = (batch, heads, rows_q.shape[2], dim)
             diff = torch.sub(rows_q, qbar, out=scratch.get("qd", shape))  # the one temporary
-            part = torch.matmul(diff, kq_t).squeeze(-1)
-            torch.add(base, part, out=self.shift[:, :, r0 : r0 + block])
+            torch.add(base, torch.matmul(diff, kq_t), out=out[:, :, r0 : r0 + block])
+        self.shift = out[..., 0]
+        #: ``Σ_j C_ij`` per row, ``(B, H, L)`` float64 (:func:`row_sums`), without causal masking
+        self.csum: Optional[Tensor] = out[..., 1] if sums else None
         if call.causal:
             # each row's count of valid keys (rows after the last key: all)
             counts = n.cumsum(-1)
@@ -199,12 +207,11 @@ def row_sums(prep: CentredPrep, q: Tensor, scratch: Scratch) -> Tensor:
     ``q_i·Σ_j k̃_j``, the sum over every valid key (≈ 0, the centring's rounding) or, causal, over
     the keys up to ``i`` (an inclusive prefix sum of ``k̃``, float64 then float32)."""
     assert prep.kt is not None
+    if prep.csum is not None:  # without causal masking: the prep's product (CentredPrep)
+        return prep.csum
     batch, heads, length, dim = q.shape
     qg = q.unflatten(1, (prep.kv, prep.g)).float()  # (B, Hk, g, L, d): a kv head per group
     keys_rows = prep.kt.transpose(-1, -2)  # (B, Hk, S, d)
-    if not prep.causal:
-        total = keys_rows.sum(-2, keepdim=True).unsqueeze(2)  # (B, Hk, 1, 1, d)
-        return torch.linalg.vecdot(qg, total).reshape(batch, heads, length).double()
     keys = keys_rows.shape[2]
     prefix = _prefix_sums(keys_rows, scratch.get("prefix", keys_rows.shape))
     if length > keys:  # rows after the last key see every key
