@@ -64,7 +64,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -388,6 +388,9 @@ def run_workload(workload: str, seq: int, batch: int, rounds: int, warmup: int, 
         # the median over rounds of each round's time over that round's bare step: a slow period
         # of the machine slows every arm of its round, and cancels here
         "paired": {n: statistics.median(t / b for t, b in zip(ts, times["bare"])) for n, ts in times.items()},
+        # a distribution-free 95 % interval of that median (order statistics): on a shared
+        # machine rounds scatter by several percent, and a goal is met only when the interval is
+        "paired_ci": {n: median_interval([t / b for t, b in zip(ts, times["bare"])]) for n, ts in times.items()},
         "close_s": close_s, "close_steps": close_steps, "close_before_s": close_before,
         "floor": floors, "bare_gflop": floor.bare / 1e9,
     }
@@ -398,16 +401,39 @@ def run_workload(workload: str, seq: int, batch: int, rounds: int, warmup: int, 
     return result
 
 
+def median_interval(values: List[float], level: float = 0.95) -> Tuple[float, float]:
+    """A distribution-free ``level`` confidence interval of the median of ``values``: the order
+    statistics ``x_(k)`` and ``x_(n+1-k)`` with the largest ``k`` such that a Binomial(n, 1/2)
+    falls below ``k`` with probability at most ``(1 - level) / 2`` (the whole range when ``n``
+    is too small for any: fewer than 6 values at 95 %)."""
+    xs = sorted(values)
+    n = len(xs)
+    if n == 0:
+        return (math.nan, math.nan)
+    tail, k = (1.0 - level) / 2, 0
+    below = 0.0  # P(Bin(n, 1/2) < k + 1)
+    for j in range(n):
+        below += math.comb(n, j) / 2.0**n
+        if below > tail:
+            break
+        k = j + 1
+    k = max(k, 1)
+    return (xs[k - 1], xs[n - k])
+
+
 def print_result(res: Dict[str, Any]) -> None:
     print(f"\n{res['description']}\nforward + backward, {res['rounds']} interleaved rounds, "
           f"torch threads {res['threads']}, {res['clock']} time")
     print(f"bare step {res['bare_gflop']:.2f} GFLOP; floor = 1 + the FLOPs of the products probe cannot avoid "
           "over the bare step's (see Floor); to floor = x bare - floor")
-    print(f"{'arm':<22}{'median ms':>12}{'x bare':>10}{'paired':>10}{'floor':>9}{'to floor':>10}")
+    print(f"{'arm':<22}{'median ms':>12}{'x bare':>10}{'paired':>10}{'paired 95 %':>16}{'floor':>9}{'to floor':>10}")
     for name, ms in res["median_ms"].items():
         fl = res["floor"].get(name)
         tail = f"{fl:>9.3f}{res['ratio'][name] - fl:>+10.3f}" if fl is not None else f"{'-':>9}{'-':>10}"
-        print(f"{name:<22}{ms:>12.1f}{res['ratio'][name]:>10.3f}{res['paired'][name]:>10.3f}{tail}")
+        lo, hi = res["paired_ci"][name]
+        print(f"{name:<22}{ms:>12.1f}{res['ratio'][name]:>10.3f}{res['paired'][name]:>10.3f}"
+              f"{f'{lo:.3f}-{hi:.3f}':>16}{tail}")
+    print("paired 95 %: a distribution-free interval of the paired median (order statistics of the rounds)")
     if "overhead_vs_plain" in res:
         print(f"probe overhead / plain overhead (every=1): {res['overhead_vs_plain']:.3f}")
     if res["close_s"] is not None:
