@@ -39,7 +39,10 @@ single numbers. ``paired`` is the median over rounds of each round's ratio to th
 step (a slow period of the machine slows every arm of its round and cancels there). Each arm runs
 its own copy of the model, and where a copy's tensors happen to lie in memory can move a whole
 arm by a few percent: the ``unsampled`` arm, two Python hook calls per step, has read 0.97–1.04
-on a quiet machine.
+on a quiet machine. ``paired 95 %`` is a distribution-free interval of that median (order
+statistics of the rounds): it covers the noise within one process only; ``--processes N`` runs the
+whole measurement in N fresh processes and prints the spread of their paired medians, which on a
+shared machine is the wider one.
 
 Usage::
 
@@ -48,6 +51,8 @@ Usage::
     python benchmarks/overhead.py --workload bert --seq 128 512 --plain
     python benchmarks/overhead.py --floor              # only the floors (no timing)
     python benchmarks/overhead.py --ops                # torch operations per probed call (no timing)
+    python benchmarks/overhead.py --workload bert-padded --only every=1 --processes 5 \
+        --rounds 15 --threads 1 --clock cpu --close 0  # the spread between processes
     benchmarks/before.sh 7fc42e4 /tmp/before && \
       PYTHONPATH=$PWD:/tmp/before python benchmarks/overhead.py --before probe_before
 """
@@ -61,6 +66,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -504,8 +510,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "(with --before: that version's too)")
     parser.add_argument("--floor", action="store_true",
                         help="only print each workload's floor (rows=128, rows=None; every=1, every=10) and exit")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="run the whole measurement in this many fresh processes, one after another, and "
+                             "print the spread of their paired medians (a machine's state differs between "
+                             "processes more than rounds within one do)")
     args = parser.parse_args(argv)
     ONLY[:] = args.only
+    if args.processes > 1:
+        return _across_processes(args.processes, list(sys.argv[1:] if argv is None else argv), args.json)
     if args.ops:
         versions = [("probe", probe)] + ([(args.before, importlib.import_module(args.before))] if args.before else [])
         for workload in args.workload:
@@ -537,6 +549,46 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)
+    return 0
+
+
+def _across_processes(count: int, argv: List[str], json_path: Optional[str]) -> int:
+    """Run this script ``count`` times (``argv`` without ``--processes`` and ``--json``), each in a
+    fresh process writing its results to a temporary JSON file, then print per workload and arm
+    the median, min and max of the processes' paired medians."""
+    rest: List[str] = []
+    skip = False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a in ("--processes", "--json"):
+            skip = True
+            continue
+        if a.startswith(("--processes=", "--json=")):
+            continue
+        rest.append(a)
+    runs: List[List[Dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(count):
+            out = os.path.join(tmp, f"run{i}.json")
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), *rest, "--json", out], check=False)
+            if done.returncode != 0:
+                print(f"process {i + 1} of {count} failed (exit {done.returncode})", file=sys.stderr)
+                return done.returncode
+            with open(out) as fh:
+                runs.append(json.load(fh))
+    print(f"\nacross {count} processes: the paired median of each (median, min-max of the processes)")
+    for index, first in enumerate(runs[0]):
+        print(f"\n{first['description']}")
+        print(f"{'arm':<22}{'median':>10}{'min':>9}{'max':>9}   each")
+        for name in first["paired"]:
+            values = [run[index]["paired"][name] for run in runs]
+            each = " ".join(f"{v:.3f}" for v in values)
+            print(f"{name:<22}{statistics.median(values):>10.3f}{min(values):>9.3f}{max(values):>9.3f}   {each}")
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(runs, fh, indent=2)
     return 0
 
 
