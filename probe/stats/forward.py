@@ -17,8 +17,9 @@ sampled rows. Which path computes the rows is the plan's choice (:mod:`probe.sta
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Dict, Mapping, Optional, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -30,7 +31,7 @@ from probe.stats.plan import CallPlan, plan_call
 from probe.stats.reduce import Heads, reduce_rows
 from probe.stats.rows import Rows
 
-__all__ = ["FORWARD_METRICS", "forward_fields", "forward_stats", "logits_stats"]
+__all__ = ["FORWARD_METRICS", "finish_fields", "forward_fields", "forward_rows", "forward_stats", "logits_stats"]
 
 #: Metrics computed in the forward pass, in the order they are reported.
 FORWARD_METRICS = ("logit_var", "logit_max", "entropy", "max_prob", "saturation", "nonfinite")
@@ -99,8 +100,17 @@ def logits_stats(logits: Tensor, saturation: float = 0.99, budget_bytes: int = 6
 @torch.no_grad()
 def forward_fields(call: AttentionCall, plan: CallPlan, saturation: float = 0.99) -> Dict[str, Tensor]:
     """The accumulator fields of a planned call (:func:`~probe.stats.plan.plan_call`)."""
+    rows = forward_rows(call, plan)
+    return {} if rows is None else finish_fields([(rows, plan)], saturation)[0]
+
+
+@torch.no_grad()
+def forward_rows(call: AttentionCall, plan: CallPlan) -> Optional[Rows]:
+    """The per-row statistics of a planned call (``None`` when it has nothing to measure): the
+    part of :func:`forward_fields` that reads the call's tensors; :func:`finish_fields` turns
+    rows into fields, also later and for several calls at once."""
     if _empty(call):
-        return {}
+        return None
     # the chunks' buffers (probe.stats.buffers: on some paths the thread's previous call's),
     # sized for the widest chunk (blocks of keys ask for what each block needs)
     batch, heads = call.q.shape[:2]
@@ -112,9 +122,60 @@ def forward_fields(call: AttentionCall, plan: CallPlan, saturation: float = 0.99
         release(scratch)
     if plan.keep and plan.positions is None:  # every row's max, for the backward (plan.kept_bytes)
         plan.carry["rmax"] = rows.top
-    # the logits path's forward takes every row (no design: its totals are sums)
-    heads = reduce_rows(rows, saturation, plan.acc, None if plan.path == "logits" else plan.design)
-    return _fields(heads, plan, call.q.shape[1])
+    return rows
+
+
+@torch.no_grad()
+def finish_fields(items: Sequence[Tuple[Rows, CallPlan]], saturation: float = 0.99) -> List[Dict[str, Tensor]]:
+    """The accumulator fields of each ``(rows, plan)`` (:func:`forward_rows`), in order.
+
+    Calls whose rows reduce alike (the same batch, rows, scale groups, sampling design and
+    accumulation dtype: every layer of a model, typically) are reduced together, their rows
+    stacked on the head dimension: the reducer is per head, so each call's values are the ones
+    it gets alone (bitwise: the reductions run over batch and rows, per head), for one pass of
+    the reducer's few dozen small operations instead of one per call."""
+    out: List[Optional[Dict[str, Tensor]]] = [None] * len(items)
+    groups: Dict[tuple, List[int]] = {}
+    for i, (rows, plan) in enumerate(items):
+        groups.setdefault(_reduces_alike(rows, plan), []).append(i)
+    for members in groups.values():
+        first_rows, first_plan = items[members[0]]
+        # the logits path's forward takes every row (no design: its totals are sums)
+        design = None if first_plan.path == "logits" else first_plan.design
+        if len(members) == 1:
+            heads = reduce_rows(first_rows, saturation, first_plan.acc, design)
+            out[members[0]] = _fields(heads, first_plan, first_rows.n.shape[1])
+            continue
+        stacked = _stack_rows([items[i][0] for i in members])
+        together = reduce_rows(stacked, saturation, first_plan.acc, design)
+        start = 0
+        for i in members:
+            rows, plan = items[i]
+            count = rows.n.shape[1]
+            out[i] = _fields(_head_slice(together, start, start + count), plan, count)
+            start += count
+    return out  # type: ignore[return-value]
+
+
+def _reduces_alike(rows: Rows, plan: CallPlan) -> tuple:
+    """What must agree for calls' rows to be reduced stacked on the head dimension."""
+    design = None if plan.path == "logits" or plan.design is None else id(plan.design[0])
+    return (plan.path == "logits", design, plan.acc, rows.n.shape[0], rows.n.shape[2], tuple(rows.entropy.shape[:-3]),
+            rows.entropy.shape[-1], rows.low is None, rows.n.device, rows.n.dtype, rows.mean.dtype, rows.top.dtype,
+            rows.entropy.dtype)
+
+
+def _stack_rows(parts: Sequence[Rows]) -> Rows:
+    def cat(values: Sequence[Optional[Tensor]]) -> Optional[Tensor]:
+        return None if values[0] is None else torch.cat(values, dim=-2)  # type: ignore[arg-type]
+
+    return Rows(**{f.name: cat([getattr(r, f.name) for r in parts]) for f in dataclasses.fields(Rows)})
+
+
+def _head_slice(h: Heads, start: int, stop: int) -> Heads:
+    return Heads(h.count[start:stop], h.mean[start:stop], h.m2[start:stop], h.top[start:stop],
+                 None if h.low is None else h.low[start:stop], h.nonfinite[start:stop], h.soft[..., start:stop],
+                 None if h.var is None else h.var[..., start:stop])
 
 
 def _empty(call: AttentionCall) -> bool:

@@ -105,7 +105,10 @@ def ratio_totals(per_row: Tensor, ok: Tensor, n_ok: Tensor, design: Design, acc:
     # per-position sums (total_variance)
     x_b = ok.sum(0, dtype=acc)  # (H, N) valid rows at each position
     y_b = per_row.sum(-3, dtype=acc)  # (..., H, N)
-    x_hat, y_hat = x_b @ weight, y_b @ weight
+    # weighted sums per row of (…, H, N), each over its own row (not a matrix-vector product: its
+    # blocking over rows would round a head differently when calls are reduced stacked on the
+    # head dimension, probe.stats.forward.finish_fields)
+    x_hat, y_hat = (x_b * weight).sum(-1), (y_b * weight).sum(-1)
     drawn = x_hat > 0
     safe = torch.where(drawn, x_hat, 1.0)
     ratio = torch.where(drawn, y_hat / safe, 0.0)
