@@ -5,7 +5,8 @@ Step ratios move more between runs on a shared machine than most changes inside 
 do (the same arm read 1.20-1.41x within an hour here), so a change there is measured where it
 acts: each step runs one arm's setup (Python, executed before the step), then the step, timed by
 the process's CPU clock, with the time spent inside the forward statistics
-(``recorder.forward_fields``), the backward's ``grad_logits`` (``grad_hooks.grad_logits_stats``)
+(``recorder.forward_rows`` and the fields' finishing, ``finish_fields``, at the call or the
+forward's end), the backward's ``grad_logits`` (``grad_hooks.grad_logits_stats``)
 and the gradient norms of q, k, v (``grad_hooks.head_sq``) counted apart. The medians of each arm
 and the median of the paired step differences (B − A, each B step against the A step before it)
 are printed. Arms alternate, so drift (another process, the machine's clock) falls on both.
@@ -34,6 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import probe  # noqa: E402
+import probe.session.deferred as deferred  # noqa: E402
 import probe.session.grad_hooks as grad_hooks  # noqa: E402
 import probe.session.recorder as recorder  # noqa: E402
 from workloads import WORKLOADS, build  # noqa: E402
@@ -70,7 +72,8 @@ def run(workload: str, rows: Optional[int], steps: int, setups: Dict[str, str], 
         seq: int = 0, batch: int = 0) -> Dict[str, List[List[float]]]:
     """Per arm, per measured step: ``[step ms, forward ms, backward ms, grad_qkv ms]``."""
     spent = {part: 0.0 for part in PARTS}
-    timers = [_Timed(recorder, "forward_fields", spent, "forward"),
+    timers = [_Timed(recorder, "forward_rows", spent, "forward"), _Timed(recorder, "finish_fields", spent, "forward"),
+              _Timed(deferred, "finish_fields", spent, "forward"),
               _Timed(grad_hooks, "grad_logits_stats", spent, "backward"),
               _Timed(grad_hooks, "head_sq", spent, "grad_qkv")]
     w = build(workload, seq, batch)

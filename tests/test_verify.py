@@ -353,14 +353,14 @@ def test_a_minus_100_mask_added_to_a_positive_bias_is_not_silently_counted_as_va
 def test_a_record_whose_statistics_fail_is_named_and_listed_not_lost(monkeypatch):
     import probe.session.recorder as recorder
 
-    real = recorder.forward_fields
+    real = recorder.forward_rows
 
     def fails_at_layer_1(call, *args, **kwargs):
         if call.site == "layers.1":
             raise RuntimeError("a record the statistics cannot read")
         return real(call, *args, **kwargs)
 
-    monkeypatch.setattr(recorder, "forward_fields", fails_at_layer_1)
+    monkeypatch.setattr(recorder, "forward_rows", fails_at_layer_1)
     model, x = SDPAModel(layers=2, d_model=16, heads=2), torch.randn(2, 5, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -64,7 +64,7 @@ class Outputs:
 
     def _check_filter(self) -> None:
         unmatched = self.rec.filtered_out
-        if self._site_ok is not None and unmatched and not self.rec.acc and self.writer.empty:
+        if self._site_ok is not None and unmatched and not (self.rec.acc or self.rec.deferred) and self.writer.empty:
             self._warned("sites", f"probe: `sites` filter {self._sites!r} matched none of the attention sites seen: "
                          f"{', '.join(sorted(unmatched))}", stacklevel=3)
 

@@ -29,7 +29,8 @@ from probe.session.options import ExtraScale, scale_value
 from probe.session.verify import Verifier, warn_once_per_site
 from probe.state.accumulator import GRAD_STEPS, Accumulator, State
 from probe.state.writer import Window, to_host
-from probe.stats.forward import forward_fields
+from probe.session.deferred import Deferred
+from probe.stats.forward import finish_fields, forward_rows
 from probe.stats.masks import simplify
 from probe.stats.max_logit import max_logit
 from probe.stats.plan import CallPlan, plan_call
@@ -151,6 +152,8 @@ class Recorder:
         self.max_logit_only = False
         self.verifier = Verifier(memory_budget, warn_once_per_site())  # each site's record checked
         self._warn_failed = warn_once_per_site()  # a record whose statistics fail: named once
+        # rows finished at the forward's end (session.deferred; call finish() holding the lock)
+        self.deferred = Deferred(memory_budget // 4, self.acc, saturation, self._warn_failed)
 
     def scales_for(self, call: AttentionCall) -> Dict[str, Scale]:
         scales: Dict[str, Scale] = {"actual": call.scale, "unscaled": 1.0, "standard": call.standard_scale}
@@ -213,12 +216,15 @@ class Recorder:
                               f"statistics failed ({type(err).__name__}: {err}); please report the model "
                               "(probe.coverage(model, ...) lists the site)")
             return
-        if not fields:
-            return
-        if isinstance(call.scale, Tensor) and scales:
-            fields["scale"] = call.scale.detach().reshape(-1).expand(call.heads).to(fields["rows"].dtype)
+        if fields is not None:  # (None: finished at the forward's end, session.deferred)
+            if not fields:
+                return
+            if isinstance(call.scale, Tensor) and scales:
+                fields["scale"] = call.scale.detach().reshape(-1).expand(call.heads).to(fields["rows"].dtype)
         with self.lock:
-            self.acc.add(key, fields)
+            if fields is not None:
+                self.deferred.finish()  # earlier calls first: the state merges in the calls' order
+                self.acc.add(key, fields)
             self._update_info(key, call)
         if self.on_logit_max is not None:
             top = fields.get("logit_max@actual") if call.scale is not None and scales else None
@@ -255,12 +261,14 @@ class Recorder:
         """A captured root forward of ``step`` ended, having emitted ``calls`` attention calls
         (``auto``: automatic steps, one forward per step; ``compiled``: the root runs compiled or
         scripted code); ``output`` is its result."""
+        with self.lock:
+            self.deferred.finish()
         self.empty_steps.forward_end(step, calls, auto, compiled)
         if self.grads and calls:
             self.grad_hooks.watch_backward(output, step)  # whether a backward ran: missing gradients named after it
 
     def _forward_fields(self, call: AttentionCall, key: SiteKey, scales: Dict[str, Scale], rows: Optional[Tensor],
-                        backward: bool = False) -> Tuple[AttentionCall, Dict[str, Scale], State, CallPlan]:
+                        backward: bool = False) -> Tuple[AttentionCall, Dict[str, Scale], Optional[State], CallPlan]:
         """(record, scales, forward fields, plan) of one call: from its own logits (scale
         unknown), from the record once it is checked against the model, or from the model's own
         probabilities when it does not match (no scale then: no counterfactual, no grad_logits).
@@ -282,10 +290,15 @@ class Recorder:
             if (call.logits is None and self.verifier.verify(key, call, self.step) is not None
                     and self.verifier.unverified(key)):
                 return call, {}, self.verifier.fallback_fields(call, self.saturation), stats_plan
-            fields = forward_fields(call, stats_plan, self.saturation)
+            rows = forward_rows(call, stats_plan)
             if stats_plan.carry:
                 self._kept = (self.step, spent + stats_plan.kept_bytes(*call.q.shape[:2]))
-            return call, scales, fields, stats_plan
+            if rows is None:
+                return call, scales, {}, stats_plan
+            with self.lock:  # (fields None: finished at the forward's end, session.deferred; QK-Clip reads them now)
+                if self.on_logit_max is None and self.deferred.offer(key, call, scales, rows, stats_plan):
+                    return call, scales, None, stats_plan
+            return call, scales, finish_fields([(rows, stats_plan)], self.saturation)[0], stats_plan
 
     def _sample(self, site: str, length: int) -> Tensor:
         """The stratified query positions of one call (probe.stats.sampling), seeded by the site,
@@ -333,6 +346,7 @@ class Recorder:
     def _add_grads(self, key: Hashable, step: int, fields: State) -> None:
         """Fold backward fields (called from the hooks, inside backward) into the step's state."""
         with self.lock:
+            self.deferred.finish()  # a forward's fields before its backward's (no root forward ended: parts called)
             if step not in self.window:  # the window was flushed before this backward ran
                 self.window.append(step)
             if self._grad_step.get(key) != step:  # count each step once: grad_* are RMS over steps
@@ -377,7 +391,7 @@ class Recorder:
     def pending(self) -> bool:
         """Whether a window is open: recorded state or sampled steps not handed out yet."""
         with self.lock:
-            return bool(self.window) or bool(self.acc)
+            return bool(self.window) or bool(self.acc) or bool(self.deferred)
 
     def snapshot(self, reset: bool = True, reducer: Any = None) -> Optional[Window]:
         """The statistics recorded since the last snapshot, as one flush window for the writer.
@@ -393,6 +407,7 @@ class Recorder:
             report. Any thread may call it.
         """
         with self.lock:
+            self.deferred.finish()
             steps = list(self.window)
             step = steps[-1] if steps else self.step
             if reducer is not None:
