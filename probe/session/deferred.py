@@ -25,7 +25,13 @@ from probe.stats.forward import finish_fields
 from probe.stats.plan import CallPlan
 from probe.stats.rows import Rows
 
-__all__ = ["Deferred"]
+__all__ = ["Deferred", "scale_field"]
+
+
+def scale_field(scale: Tensor, heads: int, rows: Tensor) -> Tensor:
+    """The ``scale`` field of a call with a per-head scale tensor: its value per query head, in
+    the dtype of the call's ``rows`` field (finished at once or deferred alike)."""
+    return scale.detach().reshape(-1).expand(heads).to(rows.dtype)
 
 
 class Deferred:
@@ -72,5 +78,5 @@ class Deferred:
             if not out:
                 continue
             if scale is not None:
-                out["scale"] = scale.reshape(-1).expand(heads).to(out["rows"].dtype)
+                out["scale"] = scale_field(scale, heads, out["rows"])
             self.acc.add(key, out)

@@ -29,7 +29,7 @@ from probe.session.options import ExtraScale, scale_value
 from probe.session.verify import Verifier, warn_once_per_site
 from probe.state.accumulator import GRAD_STEPS, Accumulator, State
 from probe.state.writer import Window, to_host
-from probe.session.deferred import Deferred
+from probe.session.deferred import Deferred, scale_field
 from probe.stats.forward import finish_fields, forward_rows
 from probe.stats.masks import simplify
 from probe.stats.max_logit import max_logit
@@ -220,7 +220,7 @@ class Recorder:
             if not fields:
                 return
             if isinstance(call.scale, Tensor) and scales:
-                fields["scale"] = call.scale.detach().reshape(-1).expand(call.heads).to(fields["rows"].dtype)
+                fields["scale"] = scale_field(call.scale, call.heads, fields["rows"])
         with self.lock:
             if fields is not None:
                 self.deferred.finish()  # earlier calls first: the state merges in the calls' order
