@@ -176,3 +176,19 @@ def leave() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def watched_once(model: nn.Module, *inputs, **watch_kwargs):
+    """One forward of ``model`` under ``probe.watch``: ``(probe, output, warning messages)``, the
+    output checked bitwise against the same forward unwatched (what probe must never change)."""
+    import warnings
+
+    import probe
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.watch(model, **watch_kwargs) as p:
+            out = model(*inputs)
+    assert torch.equal(out, model(*inputs))
+    return p, out, [str(w.message) for w in caught]
+

@@ -3,14 +3,12 @@ same values as finished at each call, failures named, QK-Clip's calls finished a
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import torch
 
 import probe
 import probe.session.deferred as deferred
-from tests.helpers import SDPAModel
+from tests.helpers import SDPAModel, watched_once
 
 
 def _run(model, x, steps=2, **kw):
@@ -45,13 +43,8 @@ def test_a_failing_deferred_finishing_names_its_calls_and_training_goes_on(monke
         raise RuntimeError("rows the reducer cannot read")
 
     monkeypatch.setattr(deferred, "finish_fields", fails)
-    model, x = SDPAModel(layers=2, d_model=16, heads=2), torch.randn(2, 5, 16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with probe.watch(model) as p:
-            out = model(x)
-    assert torch.equal(out, model(x))
-    messages = [str(w.message) for w in caught if "NOT measured" in str(w.message)]
+    p, _, said = watched_once(SDPAModel(layers=2, d_model=16, heads=2), torch.randn(2, 5, 16))
+    messages = [m for m in said if "NOT measured" in m]
     assert any("'layers.0'" in m for m in messages) and any("'layers.1'" in m for m in messages)
     assert all("rows the reducer cannot read" in m for m in messages)
     assert p.summary().sites == []  # nothing half-recorded

@@ -18,7 +18,7 @@ import probe
 from probe.call import AttentionCall
 from probe.session import verify as verify_mod
 from probe.stats.verify import check_positions, output_distance, probs_distance, probs_fields, reconstruct
-from tests.helpers import SDPAModel, reference_metrics
+from tests.helpers import SDPAModel, reference_metrics, watched_once
 
 
 def _messages(caught) -> List[str]:
@@ -362,12 +362,8 @@ def test_a_record_whose_statistics_fail_is_named_and_listed_not_lost(monkeypatch
 
     monkeypatch.setattr(recorder, "forward_rows", fails_at_layer_1)
     model, x = SDPAModel(layers=2, d_model=16, heads=2), torch.randn(2, 5, 16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with probe.watch(model) as p:
-            out = model(x)
-    assert torch.equal(out, model(x))
-    (message,) = [m for m in _messages(caught) if "NOT measured" in m]
+    p, _, said = watched_once(model, x)
+    (message,) = [m for m in said if "NOT measured" in m]
     assert "'layers.1'" in message and "a record the statistics cannot read" in message
     assert p.summary().sites == ["layers.0"]
     report = probe.coverage(model, x)
