@@ -107,14 +107,14 @@ class CentredPrep:
             # it transposed), and products take a transposed operand as it is
             shape = (batch, kv, keys, dim)
             rows_k = scratch.get("kt", shape)
-            rows_k.copy_(k)  # k is copied first and centred there: no other k-sized temporary
-            if w is None:
+            if w is None:  # k is copied first and centred there: no other k-sized temporary
+                rows_k.copy_(k)
                 mean = rows_k.mean(-2, keepdim=True)
                 rows_k.sub_(mean)
                 n = torch.ones(1, 1, keys, device=q.device)
-            else:  # masked keys zeroed first, then w·(k − k̄) = w·k − w·k̄ (a sum over keys: 30 us
-                wk = w.unsqueeze(-1)  # per BERT call less than w as a (1 × S) product)
-                rows_k.mul_(wk)
+            else:  # masked keys zeroed as k is copied (one pass), then w·(k − k̄) = w·k − w·k̄ (a
+                wk = w.unsqueeze(-1)  # sum over keys: 30 us per BERT call less than w as a (1 × S) product)
+                torch.mul(k, wk, out=rows_k)
                 mean = rows_k.sum(-2, keepdim=True) / w.sum(-1).clamp(min=1)[..., None, None]
                 rows_k.addcmul_(wk, mean, value=-1)
                 n = w
@@ -133,18 +133,19 @@ class CentredPrep:
         cols = kbar if not sums else torch.cat([kbar, self.kt.sum(-1, keepdim=True)], -1)  # (B, Hk, d, 1|2)
         kq = cols.transpose(-1, -2).unsqueeze(2).expand(batch, kv, g, cols.shape[-1], dim).reshape(
             batch, heads, cols.shape[-1], dim)
-        base = (qbar.double() * kq.double()).sum(-1).unsqueeze(-2)  # (B, H, 1, 1|2) float64
-        out = torch.empty(batch, heads, length, cols.shape[-1], dtype=torch.float64, device=q.device)
+        base = (qbar.double() * kq.double()).sum(-1).unsqueeze(-1)  # (B, H, 1|2, 1) float64
+        out = torch.empty(batch, heads, cols.shape[-1], length, dtype=torch.float64, device=q.device)
         block = max(1, block_bytes // max(1, batch * heads * dim * 4))
-        kq_t = kq.transpose(-1, -2)
         for r0 in range(0, length, block):
             rows_q = q[:, :, r0 : r0 + block]
             shape = (batch, heads, rows_q.shape[2], dim)
             diff = torch.sub(rows_q, qbar, out=scratch.get("qd", shape))  # the one temporary
-            torch.add(base, torch.matmul(diff, kq_t), out=out[:, :, r0 : r0 + block])
-        self.shift = out[..., 0]
+            # [k̄, Σk̃]ᵀ·(q_i − q̄)ᵀ: one or two rows as wide as the block (the product as
+            # (q_i − q̄)·[k̄, Σk̃], one or two columns, took 1.8 times as long)
+            torch.add(base, torch.matmul(kq, diff.transpose(-1, -2)), out=out[..., r0 : r0 + block])
+        self.shift = out[:, :, 0]
         #: ``Σ_j C_ij`` per row, ``(B, H, L)`` float64 (:func:`row_sums`), without causal masking
-        self.csum: Optional[Tensor] = out[..., 1] if sums else None
+        self.csum: Optional[Tensor] = out[:, :, 1] if sums else None
         if call.causal:
             # each row's count of valid keys (rows after the last key: all)
             counts = n.cumsum(-1)
