@@ -101,17 +101,17 @@ def kv_view(t: Tensor, scratch: Optional[Scratch] = None, name: str = "kt") -> T
 
 def kv_product(x: Tensor, kv_t: Tensor, strided: bool, out: Optional[Tensor] = None) -> Tensor:
     """``x @ kv_t``, ``(B, H_kv, M, d) @ (B, H_kv, d, N)``, into ``out`` (contiguous) when given.
-    ``strided`` (:func:`kv_view`): one ``mm`` per batch and kv head, reading ``kv_t`` in place
-    (``mm`` takes a transposed matrix with any leading dimension; a batched product would copy
-    the whole of it)."""
+    ``strided`` (:func:`kv_view`): one ``bmm`` per batch element over the kv heads, reading
+    ``kv_t`` in place (a batch element's heads are one stride apart and each head's matrix is
+    transposed with a leading dimension of ``H·d``, which ``bmm`` takes as it is; a product over
+    ``(B, H)`` at once would copy the whole of it, since the two dims do not flatten)."""
     if not strided:
         return torch.matmul(x, kv_t, out=out)
     batch, heads, rows, _ = x.shape
     if out is None:
         out = torch.empty(batch, heads, rows, kv_t.shape[-1], device=x.device, dtype=torch.float32)
     for b in range(batch):
-        for j in range(heads):
-            torch.mm(x[b, j], kv_t[b if kv_t.shape[0] > 1 else 0, j], out=out[b, j])
+        torch.bmm(x[b], kv_t[b if kv_t.shape[0] > 1 else 0], out=out[b])
     return out
 
 
