@@ -205,8 +205,10 @@ def _prefix_sums(keys: Tensor, out: Tensor) -> Tensor:
 
 def row_sums(prep: CentredPrep, q: Tensor, scratch: Scratch) -> Tensor:
     """``Σ_j C_ij`` over each row's valid keys, ``(B, H, L)`` float64, without a pass over ``C``:
-    ``q_i·Σ_j k̃_j``, the sum over every valid key (≈ 0, the centring's rounding) or, causal, over
-    the keys up to ``i`` (an inclusive prefix sum of ``k̃``, float64 then float32)."""
+    ``q_i·Σ_j k̃_j``. Without causal masking the sum is over every valid key (≈ 0, the centring's
+    rounding) and the prep's product already holds it (``prep.csum``, :class:`CentredPrep`);
+    causal, over the keys up to ``i``: an inclusive prefix sum of ``k̃`` (float64 then float32)
+    times each row."""
     assert prep.kt is not None
     if prep.csum is not None:  # without causal masking: the prep's product (CentredPrep)
         return prep.csum
