@@ -26,7 +26,7 @@ whatever the sequence length. ``grad_logits`` follows the forward's plan
 from __future__ import annotations
 
 import math
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -73,7 +73,9 @@ def head_sq(grad: Tensor, budget_bytes: int = _HEAD_SQ_BYTES) -> Tensor:
     sum of squares overflows once entries pass ~1.8e19 (a loss scaled by 1e30 whose gradients are
     still finite) and underflows below ~1e-19: the norm's ``dtype=`` upcasts, to float64 where
     the device has it. It does so by copying its whole input first (measured: 258 MiB of peak
-    memory for a 128 MiB float32 gradient in one call), hence the chunks.
+    memory for a 128 MiB float32 gradient in one call), hence the chunks. A float32 gradient on a
+    CPU skips the copy when its heads allow it (:func:`_float32_rows`: float32 row norms, within
+    ``(d + 1)·2⁻²⁴`` per row, summed in float64); a head that leaves float32's range comes here.
     """
     acc = accumulation_dtype(grad.device)
     dtype = torch.float64 if acc == torch.float64 or grad.dtype == torch.float64 else torch.float32
@@ -103,7 +105,7 @@ def head_sq(grad: Tensor, budget_bytes: int = _HEAD_SQ_BYTES) -> Tensor:
     return (torch.zeros(heads, dtype=dtype, device=grad.device) if total is None else total).to(acc)
 
 
-def _memory_order(t: Tensor) -> list:
+def _memory_order(t: Tensor) -> List[int]:
     """The permutation of ``t``'s first three dims that reads them in the order they lie in memory
     (the last dim stays last), or the identity when the last dim is not contiguous."""
     return sorted(range(3), key=lambda i: t.stride(i), reverse=True) + [3] if t.stride(3) == 1 else [0, 1, 2, 3]
