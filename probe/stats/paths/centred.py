@@ -342,7 +342,8 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
             taken = 0
             while pick is not None and taken < pick.shape[0]:
                 part = pick[taken : taken + cap - used]
-                sampled[:, :, used : used + part.shape[0], :cols] = C.index_select(2, part)
+                # into the buffer's view directly (the assignment took a temporary and a copy)
+                torch.index_select(C, 2, part, out=sampled[:, :, used : used + part.shape[0], :cols])
                 cmax_parts.append(cmax.index_select(2, part))
                 used += part.shape[0]
                 taken += part.shape[0]
