@@ -139,20 +139,16 @@ def finish_fields(items: Sequence[Tuple[Rows, CallPlan]], saturation: float = 0.
     for i, (rows, plan) in enumerate(items):
         groups.setdefault(_reduces_alike(rows, plan), []).append(i)
     for members in groups.values():
-        first_rows, first_plan = items[members[0]]
+        first_plan = items[members[0]][1]
         # the logits path's forward takes every row (no design: its totals are sums)
         design = None if first_plan.path == "logits" else first_plan.design
-        if len(members) == 1:
-            heads = reduce_rows(first_rows, saturation, first_plan.acc, design)
-            out[members[0]] = _fields(heads, first_plan, first_rows.n.shape[1])
-            continue
-        stacked = _stack_rows([items[i][0] for i in members])
-        together = reduce_rows(stacked, saturation, first_plan.acc, design)
+        together = reduce_rows(_stack_rows([items[i][0] for i in members]), saturation, first_plan.acc, design)
         start = 0
         for i in members:
             rows, plan = items[i]
             count = rows.n.shape[1]
-            out[i] = _fields(_head_slice(together, start, start + count), plan, count)
+            heads = together if len(members) == 1 else _head_slice(together, start, start + count)
+            out[i] = _fields(heads, plan, count)
             start += count
     return out  # type: ignore[return-value]
 
@@ -166,6 +162,10 @@ def _reduces_alike(rows: Rows, plan: CallPlan) -> tuple:
 
 
 def _stack_rows(parts: Sequence[Rows]) -> Rows:
+    """The calls' rows stacked on the head dimension (one call: its own rows, no copy)."""
+    if len(parts) == 1:
+        return parts[0]
+
     def cat(values: Sequence[Optional[Tensor]]) -> Optional[Tensor]:
         return None if values[0] is None else torch.cat(values, dim=-2)  # type: ignore[arg-type]
 
