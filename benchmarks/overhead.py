@@ -586,10 +586,28 @@ def _across_processes(count: int, argv: List[str], json_path: Optional[str]) -> 
             values = [run[index]["paired"][name] for run in runs]
             each = " ".join(f"{v:.3f}" for v in values)
             print(f"{name:<22}{statistics.median(values):>10.3f}{min(values):>9.3f}{max(values):>9.3f}   {each}")
+        _print_differences(first["paired"], [run[index]["paired"] for run in runs])
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(runs, fh, indent=2)
     return 0
+
+
+def _print_differences(arms: Dict[str, float], per_run: List[Dict[str, float]]) -> None:
+    """With ``--before``: per process, each arm's paired median minus the other version's same arm
+    (the two ran interleaved in that process, so the machine's state of the moment cancels),
+    with their median and mean. The spread of these, not of the arms, says whether a change
+    moved the step."""
+    pairs = [(name, f"before:{name}") for name in arms if f"before:{name}" in arms]
+    if not pairs:
+        return
+    print(f"{'now - before':<22}{'median':>10}{'mean':>9}{'above 0':>9}   each")
+    for name, other in pairs:
+        diffs = [run[name] - run[other] for run in per_run]
+        each = " ".join(f"{d:+.3f}" for d in diffs)
+        above = sum(d > 0 for d in diffs)
+        print(f"{name:<22}{statistics.median(diffs):>+10.3f}{statistics.mean(diffs):>+9.3f}"
+              f"{f'{above}/{len(diffs)}':>9}   {each}")
 
 
 if __name__ == "__main__":
