@@ -129,7 +129,9 @@ def _float32_rows(grad: Tensor) -> Optional[Tensor]:
     total = torch.linalg.vector_norm(grad.permute(order), dim=-1).double().square_().sum(dims)  # (H,)
     heads, dim = grad.shape[1], grad.shape[3]
     floor = (grad.numel() // max(1, heads * dim)) * dim * 2.0**-109  # n·d·2⁻¹⁴⁹ = 2⁻⁴⁰ of the sum
-    return total if bool(((total >= floor) & (total < math.inf)).all()) else None
+    # read on the host (H numbers, one read; NaN fails the comparison): four tensor operations
+    # fewer per gradient than the same check as tensors, each about 10 us inside a training step
+    return total if all(floor <= value < math.inf for value in total.tolist()) else None
 
 
 def grad_scale(grad: Tensor) -> Tensor:

@@ -93,3 +93,22 @@ def test_a_masked_nan_key_changes_nothing():
     a, b = forward_stats(poisoned, scales), forward_stats(clean, scales)
     for key in a:  # the poisoned call is not proven finite: the exact path vs the centred one
         torch.testing.assert_close(a[key], b[key], rtol=2e-5, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("scale", [2.0**-3, 2.0**35, 2.0**40, 2.0**48])
+def test_the_centred_path_counts_a_softmax_that_overflows(monkeypatch, scale):
+    # logits near 2^84 are proven finite (the centred path runs) but σ·r overflows float32 at
+    # σ = 2^48: every such row's softmax is non-finite, and the centred path must count it as
+    # the exact path does (below σ = 2^36 no proven logit can overflow: the check is skipped)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 24, 8, generator=g) * 2.0**41
+    k = torch.randn(1, 2, 24, 8, generator=g) * 2.0**41
+    call = AttentionCall(q, k, None, scale)
+    scales = {"actual": scale}
+    assert plan.inputs_finite(call)
+    fast, exact = _both(monkeypatch, lambda: forward_stats(call, scales), True)
+    z = (q.double() @ k.double().transpose(-1, -2)).float() * scale  # the model's float32 logits
+    overflowing = (~torch.isfinite(z.amax(-1))).sum((0, 2)) * 24  # n per row whose max overflows
+    torch.testing.assert_close(fast["nonfinite"], exact["nonfinite"], rtol=0, atol=0)
+    torch.testing.assert_close(fast["nonfinite"], overflowing.to(fast["nonfinite"].dtype), rtol=0, atol=0)
+    assert (float(fast["nonfinite"].sum()) > 0) == (scale >= 2.0**48)

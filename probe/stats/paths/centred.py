@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -356,7 +357,7 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
     if inverse is not None:  # back in the rows' order
         per_row = per_row.index_select(-1, inverse)
     sq, cmax = per_row.unbind(0)
-    exact, cmax = exact_rows(prep, row_sums(prep, q, scratch), sq.double().square(), cmax)
+    exact = exact_rows(prep, row_sums(prep, q, scratch), sq.double().square(), cmax)
     n = prep.n
     r = exact[1]
     if every:
@@ -372,7 +373,16 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
 
 def _sampled_first(rows: Tensor, length: int) -> Tuple[Tensor, Tensor]:
     """A permutation of ``range(length)`` that lists ``rows`` (distinct) first, in their order,
-    then the other rows, and its inverse."""
+    then the other rows, and its inverse. Host positions are permuted by NumPy (a torch
+    operation's dispatch costs more than this arithmetic: eight of them per call)."""
+    if rows.device.type == "cpu":
+        picked = rows.numpy()
+        others = np.ones(length, dtype=bool)
+        others[picked] = False
+        order_np = np.concatenate([picked, np.flatnonzero(others)])
+        inverse_np = np.empty_like(order_np)
+        inverse_np[order_np] = np.arange(length)
+        return torch.from_numpy(order_np), torch.from_numpy(inverse_np)
     rest = torch.ones(length, dtype=torch.bool, device=rows.device)
     rest[rows] = False
     order = torch.cat([rows, rest.nonzero().squeeze(-1)])
@@ -381,25 +391,29 @@ def _sampled_first(rows: Tensor, length: int) -> Tuple[Tensor, Tensor]:
     return order, inverse
 
 
-def exact_rows(prep: CentredPrep, csum: Tensor, sumsq: Tensor, cmax: Tensor) -> Tuple[List[Tensor], Tensor]:
+def exact_rows(prep: CentredPrep, csum: Tensor, sumsq: Tensor, cmax: Tensor) -> List[Tensor]:
     """``[n, r, μ, M2, 0]`` per row (float64 mean and M2) from each row's ``Σ_j C_ij`` and
-    ``Σ_j C_ij²`` (float64) and ``max_j C_ij`` (``NEG`` where every key is masked), and that
-    max with fully masked rows at 0."""
+    ``Σ_j C_ij²`` (float64) and ``max_j C_ij`` (any value where every key is masked: ``r`` is 0
+    there)."""
     n = prep.n
     safe = n.double().clamp(min=1)
-    m2 = (sumsq - csum * csum / safe).clamp(min=0)
-    mean = prep.shift + csum / safe
-    cmax = torch.where(cmax <= NEG / 2, 0.0, cmax)  # a fully masked row
+    per_key = csum / safe
+    m2 = torch.addcmul(sumsq, csum, per_key, value=-1).clamp_(min=0)  # ΣC² − (ΣC)²/n
+    mean = prep.shift + per_key
     r = torch.where(n > 0, (cmax + prep.shift).float(), 0.0)
     zero = torch.zeros((), device=n.device).expand(n.shape)
-    return [n, r, mean, m2, zero], cmax
+    return [n, r, mean, m2, zero]
 
 
 def to_rows(exact: List[Tensor], soft: List[Tensor], scales: Sequence[float]) -> Rows:
     """:class:`Rows` from :func:`centred_rows`' (or the key blocks') per-row sums."""
     n, r, mean, m2, zero = exact
     entropy, max_prob = softmax_rows(soft[0], soft[2:], scales)
-    return Rows(n, r, mean, m2, nonfinite_rows(zero, n, r, scales[0]), None, soft[0], entropy, max_prob)
+    # every logit is proven at most LOGIT_BOUND in size, so σ·r is finite for any σ below 2³⁶,
+    # and with finite logits Σe ∈ [1, n]: no row's softmax is non-finite (nonfinite_rows' test)
+    finite = abs(scales[0]) * LOGIT_BOUND < 2.0**126
+    return Rows(n, r, mean, m2, zero if finite else nonfinite_rows(zero, n, r, scales[0]), None, soft[0],
+                entropy, max_prob)
 
 
 def forward_rows(call: AttentionCall, plan: CallPlan, scratch: Scratch) -> Rows:

@@ -97,7 +97,8 @@ def blocked_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
             if prep.keybias is not None:
                 C.add_(prep.keybias[..., k0:end])
             torch.maximum(cmax[..., r0:r1], C.amax(-1), out=cmax[..., r0:r1])
-    exact, cmax = exact_rows(prep, csum, sumsq, cmax)
+    exact = exact_rows(prep, csum, sumsq, cmax)
+    cmax = torch.where(cmax <= NEG / 2, 0.0, cmax)  # a fully masked row: its exponentials from 0
     del csum, sumsq
 
     n, r = exact[0], exact[1]
