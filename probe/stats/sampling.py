@@ -155,10 +155,13 @@ _MAX_TERMS = 64
 
 
 def _variance_terms(stratum: Tensor, sizes: Tensor, drawn: Tensor, device: torch.device,
-                    dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(stratum, n_h, factor, whole)`` on ``device``: ``factor_h = L_h² (1 − n_h/L_h) / n_h /
-    (n_h − 1)`` (NaN for a stratum of one draw that is not the whole stratum), ``whole`` the strata drawn whole (exact: 0). Built
-    once per design (the cached designs of :func:`_drawn_design` come back every call)."""
+                    dtype: torch.dtype) -> tuple:
+    """``(stratum, n_h, factor, whole, pairs)`` on ``device``: ``factor_h = L_h² (1 − n_h/L_h) / n_h
+    / (n_h − 1)`` (NaN for a stratum of one draw that is not the whole stratum), ``whole`` the
+    strata drawn whole (exact: 0), and ``pairs = (first column, count, factor_h / 2)`` when the
+    columns are strata drawn whole and then strata of two draws each, in order (the design's
+    usual layout, :func:`sample_rows`), else ``None``. Built once per design (the cached designs
+    of :func:`_drawn_design` come back every call)."""
     key = (id(stratum), id(sizes), id(drawn), device, dtype)
     hit = _TERMS.get(key)
     if hit is not None and hit[0] is stratum and hit[1] is sizes and hit[2] is drawn:
@@ -167,10 +170,26 @@ def _variance_terms(stratum: Tensor, sizes: Tensor, drawn: Tensor, device: torch
     L_h, n_h = sizes.to(dtype), drawn.to(dtype)
     factor = torch.where(n_h > 1, L_h.square() * (1 - n_h / L_h) / n_h / (n_h - 1).clamp(min=1), math.nan)
     terms = tuple(t.to(device) for t in (stratum, n_h, factor, n_h >= L_h))
-    _TERMS[key] = (stratum, sizes, drawn) + terms
+    _TERMS[key] = (stratum, sizes, drawn) + terms + (_pairs(stratum, sizes, drawn, factor, device),)
     while len(_TERMS) > _MAX_TERMS:
         _TERMS.popitem(last=False)
-    return terms  # type: ignore[return-value]
+    return _TERMS[key][3:]
+
+
+def _pairs(stratum: Tensor, sizes: Tensor, drawn: Tensor, factor: Tensor, device: torch.device
+           ) -> Optional[Tuple[int, int, Tensor]]:
+    """:func:`_variance_terms`' ``pairs``, or ``None``."""
+    counts, lengths = drawn.tolist(), sizes.tolist()
+    head = 0
+    while head < len(counts) and counts[head] >= lengths[head]:
+        head += 1
+    rest = counts[head:]
+    if not rest or any(n != 2 or size <= 2 for n, size in zip(rest, lengths[head:])):
+        return None
+    order = torch.repeat_interleave(torch.arange(len(counts)), drawn)
+    if not torch.equal(stratum.cpu(), order):
+        return None
+    return sum(counts[:head]), len(rest), (factor[head:] / 2).to(device)
 
 
 def stratified_variance(y: Tensor, stratum: Tensor, sizes: Tensor, drawn: Tensor) -> Tensor:
@@ -179,7 +198,11 @@ def stratified_variance(y: Tensor, stratum: Tensor, sizes: Tensor, drawn: Tensor
     one draw (``rows=1``: one row estimates the total, not its spread, and 0 would read as
     exact). ``stratum``, ``sizes``, ``drawn`` from :func:`row_design`."""
     dev = y.device
-    g, n_h, factor, whole = _variance_terms(stratum, sizes, drawn, dev, y.dtype)
+    g, n_h, factor, whole, pairs = _variance_terms(stratum, sizes, drawn, dev, y.dtype)
+    if pairs is not None:  # strata of two draws: s_h² (n_h − 1) = (y_a − y_b)² / 2, strata drawn whole 0
+        first, count, half = pairs
+        two = y[:, first : first + 2 * count].unflatten(1, (count, 2))
+        return ((two[..., 0] - two[..., 1]).square() * half).sum(-1)
     heads, count = y.shape[0], sizes.shape[0]
     mean = torch.zeros(heads, count, dtype=y.dtype, device=dev).index_add_(1, g, y) / n_h
     ss = torch.zeros(heads, count, dtype=y.dtype, device=dev).index_add_(1, g, (y - mean[:, g]).square())

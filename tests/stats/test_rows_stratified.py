@@ -208,3 +208,24 @@ def test_a_nonfinite_value_stays_in_its_stratum():
     got = stratified_variance(y, *design[1:])
     torch.testing.assert_close(got[:2], clean[:2], rtol=0, atol=0)
     assert torch.isnan(got[2])
+
+
+@pytest.mark.parametrize("length,rows", [(41, 13), (64, 16), (512, 128), (9, 8), (40, 12), (10, 1)])
+def test_strata_of_two_draws_take_the_pairwise_variance(monkeypatch, length, rows):
+    """The design's usual layout (strata drawn whole, then strata of two draws) computes each
+    stratum's ``s_h²`` as ``(y_a − y_b)² / 2``: the same estimate as the general per-stratum
+    formula, to float64 rounding; other layouts (a stratum of three or one) take the general one."""
+    import probe.stats.sampling as sampling
+
+    positions = sample_rows(length, rows, torch.Generator().manual_seed(rows))
+    design = row_design(positions, length)
+    y = torch.randn(5, positions.shape[0], generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    fast = stratified_variance(y, *design[1:])
+    pairs = sampling._variance_terms(*design[1:], y.device, y.dtype)[4]
+    counts = design[3].tolist()
+    assert (pairs is not None) == (rows < length and all(n == 2 for n in counts[1:]) and len(counts) > 1)
+    sampling._TERMS.clear()
+    monkeypatch.setattr(sampling, "_pairs", lambda *args: None)
+    general = stratified_variance(y, *design[1:])
+    sampling._TERMS.clear()
+    torch.testing.assert_close(fast, general, rtol=1e-12, atol=0, equal_nan=True)
