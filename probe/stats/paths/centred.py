@@ -268,6 +268,7 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
     if rows_all is not None and not call.causal:
         order, inverse = _sampled_first(rows_all, length)
     full_buf = scratch.get("R", (batch * heads * step * keys,))
+    kt3 = prep.kt.flatten(0, 1)  # (B·Hk, d, S): k̃ rows read transposed, a view
     work = scratch.get("e", (batch * heads * step * keys,)) if every or order is not None else None
     sampled = e_buf = None
     if not every and order is None:  # the sampled rows' C, masked (NEG) beyond each chunk's keys, a bounded batch
@@ -309,13 +310,13 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
         r1 = min(length, r0 + step)
         rows = r1 - r0
         cols = min(keys, r1) if call.causal else keys  # a causal chunk stops at its last query
-        C = full_buf[: batch * heads * rows * cols].view(batch, heads, rows, cols)
         qc = q[:, :, r0:r1].float() if order is None else q.index_select(2, order[r0:r1]).float()
-        if prep.g > 1:  # q rows as (B, Hk, g·rows, d): one product per kv head (chunks.row_chunks)
-            torch.matmul(qc.reshape(batch, prep.kv, prep.g * rows, dim), prep.kt[..., :cols],
-                         out=C.view(batch, prep.kv, prep.g * rows, cols))
-        else:
-            torch.matmul(qc, prep.kt[..., :cols], out=C)
+        # q rows as (B·Hk, g·rows, d): one product per kv head (chunks.row_chunks), whose output
+        # is (B, H, rows, cols) in memory; bmm on 3-d views (matmul's own reshaping of 4-d
+        # operands cost seven more tensor operations per chunk)
+        C3 = full_buf[: batch * heads * rows * cols].view(batch * prep.kv, prep.g * rows, cols)
+        torch.bmm(qc.reshape(batch * prep.kv, prep.g * rows, dim), kt3 if cols == keys else kt3[..., :cols], out=C3)
+        C = C3.view(batch, heads, rows, cols)
         diag = C[..., r0:] if call.causal and cols > r0 else None
         if diag is not None:  # only the causal block is masked: zeroed for ‖C‖², NEG for the max
             diag.mul_(lower[:rows, : cols - r0])
