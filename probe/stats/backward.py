@@ -236,12 +236,14 @@ def grad_logits_stats(
         release(scratch)
     sums, variances = grad_totals(per_row, plan.acc, plan.design)
     unscale = gs.to(plan.acc).square()
+    sums = sums / unscale  # every scale group at once, (G, H)
+    variances = None if variances is None else variances / unscale.square()
     out: Dict[str, Tensor] = {}
     for i, names in enumerate(plan.names):
-        for name in names:
-            out[f"grad_logits_sq@{name}"] = sums[i] / unscale
+        for name in names:  # the names of one group share its values
+            out[f"grad_logits_sq@{name}"] = sums[i]
             if variances is not None:
-                out[f"grad_logits_var@{name}"] = variances[i] / unscale.square()
+                out[f"grad_logits_var@{name}"] = variances[i]
     return out
 
 
