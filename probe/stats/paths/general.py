@@ -24,7 +24,7 @@ from probe.call import AttentionCall, Scale
 from probe.stats.buffers import Scratch
 from probe.stats.chunks import MASK_BIAS, DPSource, all_finite, as_4d, row_chunks
 from probe.stats.plan import CallPlan, backward_step, chunk_picks
-from probe.stats.rows import LOG2E, Rows, exact_pass, moment_rows, scale_view
+from probe.stats.rows import LOG2E, Rows, exact_pass, grad_sq, moment_rows, scale_view
 
 __all__ = ["chunk_masks", "chunk_rows", "forward_rows", "grad_chunk", "grad_rows"]
 
@@ -279,12 +279,7 @@ def grad_chunk(X: Tensor, valid: Optional[Tensor], neg: Optional[Tensor], bias: 
     m = z.amax(-1, keepdim=True)
     z.sub_(torch.where(m == -math.inf, 0.0, m))
     expo(z, out=e)
-    se = e.sum(-1, keepdim=True)
-    u = torch.mul(e, dP, out=z)
-    c = u.sum(-1, keepdim=True) / se
-    se = se.squeeze(-1)
-    g2 = torch.linalg.vector_norm(u.addcmul_(e, c, value=-1), dim=-1).square() / se.square()
-    return torch.where(se == 0, 0.0, g2)
+    return grad_sq(e, dP, e.sum(-1, keepdim=True), z)
 
 
 def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scratch) -> Tensor:

@@ -19,7 +19,7 @@ from probe.call import AttentionCall
 from probe.stats.buffers import Scratch, give_back
 from probe.stats.chunks import DPSource, all_finite, row_chunks
 from probe.stats.plan import CallPlan, backward_step, chunk_picks
-from probe.stats.rows import LOG2E, Rows, exact_pass, exp_sums, moment_rows, nonfinite_rows, softmax_rows
+from probe.stats.rows import LOG2E, Rows, exact_pass, exp_sums, grad_sq, moment_rows, nonfinite_rows, softmax_rows
 
 __all__ = ["causal_upper", "chunk_sums", "forward_rows", "grad_rows", "mask_"]
 
@@ -180,7 +180,7 @@ def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scratc
                 torch.mul(D, sigma * LOG2E, out=e).exp2_()
             else:
                 torch.add(top * (-sigma * LOG2E), D, alpha=sigma * LOG2E, out=e).exp2_()
-            per_row[i].append(_grad_sq(e, dP, e.sum(-1, keepdim=True), t))
+            per_row[i].append(grad_sq(e, dP, e.sum(-1, keepdim=True), t))
         r0 += rows
     return torch.stack([torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0] for parts in per_row])
 
@@ -209,25 +209,7 @@ def _kept_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scrat
             dp.into(dP, r0, rows, cols, picked)
             for i in range(len(plan.values)):
                 se = sums[i, :, :, r0 : r0 + rows].unsqueeze(-1)
-                per_row[i].append(_grad_sq(exps[i, :, :, s0 : s0 + rows], dP, se, t))
+                per_row[i].append(grad_sq(exps[i, :, :, s0 : s0 + rows], dP, se, t))
     for _, exps in batches:  # read: their memory serves the next forward's (buffers.kept_buffer)
         give_back(exps)
     return torch.stack([torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0] for parts in per_row])
-
-
-def _grad_sq(e: Tensor, dP: Tensor, se: Tensor, t: Tensor) -> Tensor:
-    """Per row ``Σ_j (P_j (dP_j − c))² = (‖e ⊙ (dP − c)‖ / Σe)²`` with ``c = Σ e·dP / Σe``, from
-    the exponentials ``e``, their row sums ``se`` ``(..., 1)`` and ``dP``; ``t``: a buffer of
-    ``e``'s shape. 0 on a row with ``Σe = 0`` (fully masked); a NaN row stays NaN.
-
-    A row with a valid key has ``Σe ≥ 1`` (its max is ``e = 1``, or within rounding of it), so
-    ``Σe`` is taken at least float32's smallest normal number: a fully masked row (``e = 0``)
-    then gives ``0 / tiny = 0`` with no ``where`` (three operations fewer per scale)."""
-    u = torch.mul(e, dP, out=t)  # e ⊙ dP, then e ⊙ (dP − c) = u − c·e in place
-    se = se.clamp(min=_TINY)
-    c = u.sum(-1, keepdim=True).div_(se)
-    norm = torch.linalg.vector_norm(u.addcmul_(e, c, value=-1), dim=-1)
-    return norm.div_(se.squeeze(-1)).square_()
-
-
-_TINY = torch.finfo(torch.float32).tiny
