@@ -136,7 +136,8 @@ def _float32_rows(grad: Tensor) -> Optional[Tensor]:
 
 def grad_scale(grad: Tensor) -> Tensor:
     """A power of two ``2**-e`` (0-dim float32, on the device, no host sync) that brings the
-    largest entry of ``grad`` into ``[1, 2)``; 1 for a zero, empty or non-finite ``grad``.
+    largest entry of ``grad`` into ``[1, 2)`` (below it when that entry is subnormal: the scale is
+    at most ``2¹²⁶``); 1 for a zero, empty or non-finite ``grad``.
 
     ``∂L/∂Z`` is linear in the upstream gradient, so sums of squares computed from
     ``grad * grad_scale(grad)`` and divided by its square in float64 are the same numbers without
@@ -149,7 +150,9 @@ def grad_scale(grad: Tensor) -> Tensor:
     lo, hi = minmax(grad.detach())
     exponent = torch.floor(torch.log2(torch.maximum(hi, -lo).float()))
     ok = torch.isfinite(exponent)
-    return torch.where(ok, torch.exp2(-torch.where(ok, exponent, 0.0)), 1.0)
+    # at most 2¹²⁶: a gradient of subnormal entries (below 2⁻¹²⁶, a vanishing gradient) would
+    # otherwise get an infinite scale and NaN sums; its largest entry then lands below 1
+    return torch.where(ok, torch.exp2(-torch.where(ok, exponent, 0.0).clamp_(min=-126)), 1.0)
 
 
 @torch.no_grad()  # as forward_stats: also under a backward with create_graph=True

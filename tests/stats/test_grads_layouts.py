@@ -199,3 +199,20 @@ def test_recorder_hands_the_memory_budget_to_head_sq(monkeypatch):
     with probe.watch(model, every=1, memory_budget=123_456):
         model(torch.randn(2, 5, 16)).sum().backward()
     assert budgets and set(budgets) == {123_456}
+
+
+def test_a_vanishing_output_gradient_keeps_finite_gradient_sums():
+    """An output gradient of subnormal float32 entries (~1e-40, a vanishing gradient) got the
+    scale 2^133, which is inf in float32, and NaN sums; the scale is capped at 2^126, and the sums
+    are the linear rescaling of an ordinary gradient's (to the precision subnormals keep)."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=gen) for _ in range(3))
+    call = AttentionCall(q=q, k=k, v=v, scale=0.5)
+    dout = torch.randn(1, 2, 9, 4, generator=gen)
+    s = grad_scale(dout * 1e-40)
+    assert s == 2.0**126
+    base = grad_logits_stats(call, dout, {"actual": 0.5})["grad_logits_sq@actual"]
+    tiny = 2.0**-140  # exact in float32 (subnormal): the sums scale by 2^-280
+    got = grad_logits_stats(call, dout * tiny, {"actual": 0.5})["grad_logits_sq@actual"]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got * 2.0**280, base, rtol=1e-3, atol=0)
