@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -118,11 +118,33 @@ def forward_rows(call: AttentionCall, plan: CallPlan) -> Optional[Rows]:
     scratch = call_scratch(plan.path, widest, call.q.device)
     try:
         rows: Rows = PATH_MODULES[plan.path].forward_rows(call, plan, scratch)
+        if plan.path in _PROVEN_PATHS and not math.isfinite(float(rows.m2.sum())):
+            rows = _rescaled_rows(call, plan, scratch)
     finally:
         release(scratch)
     if plan.keep and plan.positions is None:  # every row's max, for the backward (plan.kept_bytes)
         plan.carry["rmax"] = rows.top
     return rows
+
+
+# The centred paths (CPUs; every logit proven at most LOGIT_BOUND = 2⁹⁰ in size) sum each row's
+# squares in float32: beyond logits of ~1e19/sqrt(S) that sum overflows (an inf M2 there can only
+# be that). Their call is then measured again with q and k scaled by 2⁻³² (exact: powers of two),
+# so logits 2⁶⁴ times smaller, the scales 2⁶⁴ times larger (σR unchanged: the same softmax), and the
+# rows scaled back in float64. A read of one sum per call, free on CPUs.
+_PROVEN_PATHS = ("centred", "key_blocks")
+_SHRINK = 2.0**-32
+
+
+def _rescaled_rows(call: AttentionCall, plan: CallPlan, scratch: Any) -> Rows:
+    """The call's rows measured on ``q·2⁻³²``, ``k·2⁻³²`` at scales ``σ·2⁶⁴``, moments scaled back."""
+    grow = _SHRINK**-2
+    small = dataclasses.replace(call, q=call.q * _SHRINK, k=call.k * _SHRINK)
+    again = dataclasses.replace(plan, values=tuple(float(v) * grow for v in plan.values))  # type: ignore[arg-type]
+    rows: Rows = PATH_MODULES[plan.path].forward_rows(small, again, scratch)
+    plan.carry.update(again.carry)  # the kept exponentials are of σR itself: the backward's as they are
+    return dataclasses.replace(rows, top=rows.top * grow, mean=rows.mean * grow, m2=rows.m2 * grow**2,
+                               low=None if rows.low is None else rows.low * grow)
 
 
 @torch.no_grad()

@@ -350,3 +350,68 @@ def test_prep_row_sums_are_those_of_its_centred_keys(valid_kind, hk):
     assert torch.equal(centred.row_sums(prep, q, buffers.Scratch(0, q.device)), prep.csum)
     causal = centred.CentredPrep(AttentionCall(q=q, k=k, v=None, scale=None, causal=True), valid)
     assert causal.csum is None  # causal rows sum prefixes of the keys (row_sums)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", ["none", "row"])
+def test_logits_whose_squares_overflow_float32_are_measured_again_rescaled(monkeypatch, path, kind, causal):
+    """Logits near 1e20 (proven finite: the centred paths) with a scale of 1e-20, so that the
+    softmax is an ordinary one: each row's float32 sum of squares overflows, and the call is
+    measured again on q, k scaled by 2^-32 at scales 2^64 times larger. Every statistic matches
+    float64, the backward's too; with logits 2^32 times smaller the first measurement stands."""
+    import probe.stats.forward as forward
+    from probe.stats.backward import grad_logits_stats
+
+    seen = _spy(monkeypatch)
+    again = []
+    real = forward._rescaled_rows
+    monkeypatch.setattr(forward, "_rescaled_rows", lambda *a: again.append(1) or real(*a))
+    q, k = _inputs(hk=2)
+    q, k = q * 1e10, k * 1e10
+    mask, key_mask = _mask(kind, 2, 40, 40)
+    call = AttentionCall(q=q, k=k, v=None, scale=1e-20, mask=mask, causal=causal)
+    got = _check(call, key_mask, scale=1e-20, rtol=1e-5)
+    assert seen and again and torch.isfinite(got["logit@actual"]).all()
+    # the backward (the sampled rows' kept exponentials included) against float64
+    v = torch.randn(2, 2, 40, 8, generator=torch.Generator().manual_seed(3))
+    dout = torch.randn(2, 4, 40, 8, generator=torch.Generator().manual_seed(4))
+    call = AttentionCall(q=q, k=k, v=v, scale=1e-20, mask=mask, causal=causal)
+    z, valid = masked_logits64(q, k, 1e-20, causal, key_mask)
+    p = torch.softmax(z.masked_fill(~valid, -math.inf), -1).nan_to_num(0.0)
+    dP = dout.double() @ v.double().repeat_interleave(2, 1).transpose(-1, -2)
+    want = (p * (dP - (p * dP).sum(-1, keepdim=True))).square().sum((0, 2, 3))
+    grads = grad_logits_stats(call, dout, {"actual": 1e-20}, 2**14)
+    torch.testing.assert_close(grads["grad_logits_sq@actual"], want, rtol=1e-4, atol=0)
+    again.clear()
+    _check(AttentionCall(q=q * 2.0**-32, k=k * 2.0**-32, v=None, scale=1e-20 * 2.0**64, mask=mask, causal=causal),
+           key_mask, scale=1e-20 * 2.0**64, rtol=1e-5)
+    assert not again
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_rescaled_measurement_hands_its_kept_exponentials_to_the_backward(monkeypatch, causal):
+    """With sampled rows the forward keeps their exponentials for the backward (``plan.carry``);
+    measured again rescaled, the kept ones are the second measurement's (of the same ``σR``), and
+    the backward from them equals the backward that recomputes."""
+    import probe.stats.forward as forward
+    from probe.stats.backward import grad_logits_stats
+
+    again = []
+    real = forward._rescaled_rows
+    monkeypatch.setattr(forward, "_rescaled_rows", lambda *a: again.append(1) or real(*a))
+    q, k = _inputs(hk=2, l=64, s=64)
+    q, k = q * 1e10, k * 1e10
+    v = torch.randn(2, 2, 64, 8, generator=torch.Generator().manual_seed(3))
+    dout = torch.randn(2, 4, 64, 8, generator=torch.Generator().manual_seed(4))
+    call = AttentionCall(q=q, k=k, v=v, scale=1e-20, causal=causal)
+    scales = {"actual": 1e-20, "unscaled": 1.0}
+    call, kept_plan = plan.plan_call(call, scales, rows=16, generator=torch.Generator().manual_seed(0),
+                                     keep_bytes=2**24)
+    assert kept_plan.keep and kept_plan.path == "centred"
+    forward.forward_rows(call, kept_plan)
+    assert again and "exps" in kept_plan.carry
+    kept = grad_logits_stats(call, dout, scales, plan=kept_plan)
+    _, fresh_plan = plan.plan_call(call, scales, rows=kept_plan.positions)
+    fresh = grad_logits_stats(call, dout, scales, plan=fresh_plan)
+    for key in fresh:
+        torch.testing.assert_close(kept[key], fresh[key], rtol=1e-4, atol=0, msg=key)
