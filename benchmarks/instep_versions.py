@@ -12,7 +12,8 @@ moves much less, so this measures that, per step, for both versions side by side
 - ``parts``: their sum, and ``step``: the whole training step,
 
 each the median over the steps, then the median of the paired differences (now − before, each
-step against the other version's step next to it; the order alternates every round). Setup::
+step against the other version's step next to it; the order alternates every round) and a
+distribution-free 95 % interval of that median (``overhead.median_interval``). Setup::
 
     sh benchmarks/before.sh COMMIT /tmp/before
     PYTHONPATH=$PWD:/tmp/before python benchmarks/instep_versions.py --workload bert-padded --steps 40
@@ -36,6 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from overhead import median_interval  # noqa: E402
 from workloads import WORKLOADS, build  # noqa: E402
 
 PARTS = ("forward", "backward", "grad_qkv")
@@ -110,8 +112,12 @@ def main(argv: Any = None) -> int:
     print(f"{'version':10s}" + "".join(f"{c:>11s}" for c in cols))
     for label, row in res.items():
         print(f"{label:10s}" + "".join(f"{1e3 * statistics.median(row[c]):11.2f}" for c in cols))
-    diffs = {c: statistics.median(a - b for a, b in zip(res["now"][c], res["before"][c])) for c in cols}
-    print(f"{'now-before':10s}" + "".join(f"{1e3 * diffs[c]:+11.2f}" for c in cols) + "   (median of paired differences)")
+    paired = {c: [a - b for a, b in zip(res["now"][c], res["before"][c])] for c in cols}
+    print(f"{'now-before':10s}" + "".join(f"{1e3 * statistics.median(paired[c]):+11.2f}" for c in cols)
+          + "   (median of paired differences)")
+    bounds = {c: median_interval(paired[c]) for c in cols}
+    print("95 % interval of each median (distribution-free): " + ", ".join(
+        f"{c} [{1e3 * bounds[c][0]:+.2f}, {1e3 * bounds[c][1]:+.2f}]" for c in cols))
     return 0
 
 
