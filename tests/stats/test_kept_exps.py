@@ -221,3 +221,36 @@ def test_every_row_backward_takes_the_forwards_row_max(causal, padded, kv_heads,
     kept.carry["rmax"].add_(1e4)
     shifted_far = grad_logits_stats(call, dout, SCALES, plan=kept)
     assert (shifted_far["grad_logits_sq@actual"] == 0).all() and (want["grad_logits_sq@actual"] > 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_carried_row_max_that_the_backward_exceeds_falls_back_to_its_own(causal):
+    """Every row exact (``rows=None``): the forward hands each row's max to the backward, which
+    shifts its float32 ``R`` by it. Logits near 1e9 round by ~1e3 there, so at the unscaled scale
+    ``exp2(σ·(R − r))`` overflowed (NaN, where the model's own gradient is finite); such a call is
+    computed again with each chunk's own max. At the call's small scale (σR ~ 1) the carried max
+    is kept and matches float64."""
+    from probe.stats import forward
+
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(2, 4, 48, 16, generator=g) * 1e4 for _ in range(2))
+    v, dout = torch.randn(2, 4, 48, 16, generator=g), torch.randn(2, 4, 48, 16, generator=g)
+    call = AttentionCall(q=q, k=k, v=v, scale=1e-9, causal=causal)
+    scales = {"actual": 1e-9, "unscaled": 1.0}
+    call, carried = plan_call(call, scales, rows=None, keep_bytes=2**26)
+    assert carried.keep and carried.path == "centred"
+    forward.forward_rows(call, carried)
+    assert "rmax" in carried.carry
+    got = grad_logits_stats(call, dout, scales, plan=carried)
+    _, fresh = plan_call(call, scales, rows=None)
+    want = grad_logits_stats(call, dout, scales, plan=fresh)
+    for key in want:
+        assert torch.isfinite(got[key]).all(), key
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-30, msg=key)
+    z = (q.double() @ k.double().transpose(-1, -2)) * 1e-9
+    if causal:
+        z = z.masked_fill(~torch.ones(48, 48, dtype=torch.bool).tril(), -math.inf)
+    p = torch.softmax(z, -1)
+    dP = dout.double() @ v.double().transpose(-1, -2)
+    ref = (p * (dP - (p * dP).sum(-1, keepdim=True))).square().sum((0, 2, 3))
+    torch.testing.assert_close(got["grad_logits_sq@actual"], ref, rtol=1e-4, atol=0)

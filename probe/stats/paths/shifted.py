@@ -182,7 +182,16 @@ def grad_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scratc
                 torch.add(top * (-sigma * LOG2E), D, alpha=sigma * LOG2E, out=e).exp2_()
             per_row[i].append(grad_sq(e, dP, e.sum(-1, keepdim=True), t))
         r0 += rows
-    return torch.stack([torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0] for parts in per_row])
+    out = torch.stack([torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0] for parts in per_row])
+    if rmax is not None and not math.isfinite(float(out.sum())):
+        # the forward's row max as the shift: the float32 R formed here may exceed it by its
+        # rounding, about 2⁻²⁴·d·max|q|·max|k|, and past logits of ~1e8 that exponential
+        # overflows (inf − inf: NaN, where the model's own gradient is finite). Again, each chunk
+        # shifted by its own max (e ≤ 1): the carried max is gone (popped), so no loop. CPUs
+        # only (the centred paths carry it), where this read is free; a NaN upstream gradient
+        # comes back NaN from either.
+        return grad_rows(call, plan, dp, scratch)
+    return out
 
 
 def _kept_rows(call: AttentionCall, plan: CallPlan, dp: DPSource, scratch: Scratch,
