@@ -12,7 +12,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import probe
 from probe.cli.main import main
