@@ -373,23 +373,16 @@ def centred_rows(call: AttentionCall, valid: Optional[Tensor], scales: Sequence[
 
 
 def _sampled_first(rows: Tensor, length: int) -> Tuple[Tensor, Tensor]:
-    """A permutation of ``range(length)`` that lists ``rows`` (distinct) first, in their order,
-    then the other rows, and its inverse. Host positions are permuted by NumPy (a torch
-    operation's dispatch costs more than this arithmetic: eight of them per call)."""
-    if rows.device.type == "cpu":
-        picked = rows.numpy()
-        others = np.ones(length, dtype=bool)
-        others[picked] = False
-        order_np = np.concatenate([picked, np.flatnonzero(others)])
-        inverse_np = np.empty_like(order_np)
-        inverse_np[order_np] = np.arange(length)
-        return torch.from_numpy(order_np), torch.from_numpy(inverse_np)
-    rest = torch.ones(length, dtype=torch.bool, device=rows.device)
-    rest[rows] = False
-    order = torch.cat([rows, rest.nonzero().squeeze(-1)])
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(length, device=rows.device)
-    return order, inverse
+    """A permutation of ``range(length)`` that lists ``rows`` (distinct, host positions: the
+    centred paths run on CPUs) first, in their order, then the other rows, and its inverse, built
+    by NumPy (a torch operation's dispatch costs more than this arithmetic: eight of them per call)."""
+    picked = rows.numpy()
+    others = np.ones(length, dtype=bool)
+    others[picked] = False
+    order = np.concatenate([picked, np.flatnonzero(others)])
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(length)
+    return torch.from_numpy(order), torch.from_numpy(inverse)
 
 
 def exact_rows(prep: CentredPrep, csum: Tensor, sumsq: Tensor, cmax: Tensor) -> List[Tensor]:
