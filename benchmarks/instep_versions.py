@@ -37,32 +37,23 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from instep_ab import PARTS, _Timed  # noqa: E402
 from overhead import median_interval  # noqa: E402
 from workloads import WORKLOADS, build  # noqa: E402
 
-PARTS = ("forward", "backward", "grad_qkv")
 
-# (module under the package, attribute, part) timed in each version
-_TIMED = (("session.recorder", "forward_rows", "forward"), ("session.deferred", "finish_fields", "forward"),
-          ("session.grad_hooks", "grad_logits_stats", "backward"), ("session.grad_hooks", "head_sq", "grad_qkv"))
+# (module under the package, attribute, part) timed in each version: instep_ab.py's parts
+_TIMED = (("session.recorder", "forward_rows", "forward"), ("session.recorder", "finish_fields", "forward"),
+          ("session.deferred", "finish_fields", "forward"), ("session.grad_hooks", "grad_logits_stats", "backward"),
+          ("session.grad_hooks", "head_sq", "grad_qkv"))
 
 
 def _instrument(package: str) -> Dict[str, float]:
-    """Wrap the timed functions of ``package`` (``probe`` or the other version's name); returns the
-    dict their CPU time accumulates in."""
+    """Wrap the timed functions of ``package`` (``probe`` or the other version's name) with
+    instep_ab.py's timers; returns the dict their CPU time accumulates in."""
     spent = {part: 0.0 for part in PARTS}
     for module_name, attr, part in _TIMED:
-        module = importlib.import_module(f"{package}.{module_name}")
-        real = getattr(module, attr)
-
-        def timed(*args: Any, _real: Any = real, _part: str = part, **kwargs: Any) -> Any:
-            start = time.process_time()
-            try:
-                return _real(*args, **kwargs)
-            finally:
-                spent[_part] += time.process_time() - start
-
-        setattr(module, attr, timed)
+        _Timed(importlib.import_module(f"{package}.{module_name}"), attr, spent, part).install()
     return spent
 
 
