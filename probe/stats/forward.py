@@ -223,11 +223,13 @@ def _scaled(h: Heads, scale: Scale, heads: int) -> Tuple[Tensor, Tensor]:
     """(count, mean, M2) and max of ``σR`` from the moments of ``R`` (scale-linear); the max of
     ``σR`` is ``σ·min R`` for ``σ < 0``: the general path keeps the min for negative and per-head
     scales (+inf stands in for it elsewhere: a NaN scale gives a NaN max)."""
-    low = h.low if h.low is not None else torch.full_like(h.top, math.inf)
+    def low() -> Tensor:
+        return h.low if h.low is not None else torch.full_like(h.top, math.inf)
+
     if isinstance(scale, Tensor):
         s = scale.to(device=h.mean.device, dtype=h.mean.dtype).reshape(-1).expand(heads)
-        top = torch.where(s >= 0, s * h.top, s * low)
+        top = torch.where(s >= 0, s * h.top, s * low())
     else:
         s = float(scale)
-        top = s * h.top if s >= 0 else s * low
+        top = s * h.top if s >= 0 else s * low()
     return torch.stack([h.count, s * h.mean, s * s * h.m2]), top

@@ -108,6 +108,29 @@ def test_grad_scale_is_one_for_zero_or_non_finite_gradients(special):
     assert grad_scale(g) == 1.0
 
 
+def _device_formula(g):
+    """grad_scale's tensor formula (the accelerators' path, no host read) on a CPU tensor."""
+    top = torch.maximum(g.amax(), -g.amin()).float()
+    exponent = torch.floor(torch.log2(top))
+    ok = torch.isfinite(exponent)
+    return torch.where(ok, torch.exp2(-torch.where(ok, exponent, 0.0).clamp_(min=-126)), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_grad_scale_read_on_the_host_equals_the_device_formula(dtype):
+    """On CPUs the scale is computed on the host from the largest magnitude (ten tensor
+    operations fewer per call); it is the same power of two as the device path's."""
+    values = [0.0, 1e-45, 1e-40, 2.0**-126, 3e-20, 0.75, 1.0, 1.5, 2.0, 3.0, 1e30, 3e38, math.inf, math.nan]
+    if dtype == torch.float64:
+        values += [1e-300, 1e300]
+    for v in values:
+        for sign in (1.0, -1.0):
+            g = torch.tensor([0.5 * v, sign * v, -0.25 * v], dtype=torch.float64).to(dtype)
+            got, want = grad_scale(g), _device_formula(g)
+            assert got.dtype == torch.float32 and got.shape == ()
+            assert got == want, (dtype, sign * v, got, want)
+
+
 def test_grad_scale_of_an_empty_gradient_is_one():
     assert grad_scale(torch.zeros(2, 0, 3, 4)) == 1.0
 
