@@ -51,6 +51,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from probe.call import AttentionCall
 from probe.stats.buffers import Scratch, kept_buffer
@@ -96,12 +97,12 @@ class CentredPrep:
                 k = k.repeat_interleave(g, 1)
             kv, g = heads, 1
         self.g, self.kv, self.causal, self.k = g, kv, call.causal, k
-        w = None if valid is None else valid.to(torch.float32).expand(batch, kv, keys)
+        terms = _mask_terms(valid, (batch, kv, keys, length, heads, g, call.causal), q.device)
+        w = terms.w
         self.w = w
         self.kt: Optional[Tensor] = None
         if blocked:
             kbar = _key_mean(k, w, self.repeat, block_bytes)
-            n = torch.ones(1, 1, keys, device=q.device) if w is None else w
         else:
             # k̃ as (B, Hk, S, d) float32 in memory, read as its transpose (B, Hk, d, S): the
             # copy of Hugging Face's transposed k keeps its order (7 times faster than writing
@@ -112,13 +113,11 @@ class CentredPrep:
                 rows_k.copy_(k)
                 mean = rows_k.mean(-2, keepdim=True)
                 rows_k.sub_(mean)
-                n = torch.ones(1, 1, keys, device=q.device)
             else:  # masked keys zeroed as k is copied (one pass), then w·(k − k̄) = w·k − w·k̄ (a
                 wk = w.unsqueeze(-1)  # sum over keys: 30 us per BERT call less than w as a (1 × S) product)
                 torch.mul(k, wk, out=rows_k)
-                mean = rows_k.sum(-2, keepdim=True) / w.sum(-1).clamp(min=1)[..., None, None]
+                mean = rows_k.sum(-2, keepdim=True) / terms.count
                 rows_k.addcmul_(wk, mean, value=-1)
-                n = w
             kbar = mean.transpose(-1, -2)
             self.kt = rows_k.transpose(-1, -2)
         self.kbar = kbar  # (B, Hk, d, 1) float32
@@ -147,14 +146,8 @@ class CentredPrep:
         self.shift = out[:, :, 0]
         #: ``Σ_j C_ij`` per row, ``(B, H, L)`` float64 (:func:`row_sums`), without causal masking
         self.csum: Optional[Tensor] = out[:, :, 1] if sums else None
-        if call.causal:
-            # each row's count of valid keys (rows after the last key: all)
-            counts = n.cumsum(-1)
-            rows = counts.index_select(-1, torch.arange(length, device=q.device).clamp(max=keys - 1))
-        else:
-            rows = n.sum(-1, keepdim=True).expand(*n.shape[:2], length)
-        self.n = rows.unsqueeze(2).expand(batch, kv, g, length).reshape(batch, heads, length)
-        self.keybias = None if w is None else torch.where(valid, 0.0, NEG).unsqueeze(-2)  # (b, h, 1, S)
+        self.n = terms.rows
+        self.keybias = terms.keybias
 
     def block(self, k0: int, k1: int, out: Tensor) -> Tensor:
         """Centred keys ``k̃_{k0} … k̃_{k1−1}`` into ``out``, ``(B, Hk, d, k1 − k0)`` float32."""
@@ -168,6 +161,53 @@ class CentredPrep:
         if self.w is not None:
             out.mul_(self.w[..., k0:k1].unsqueeze(-2))
         return out
+
+
+class _MaskTerms:
+    """What a call's key validity gives the centred path, the same for every layer of a forward
+    (one mask for all): ``w`` (``(B, Hk, S)`` float32 weights, ``None`` without a mask), ``n``
+    (``w``, or ones over the keys), ``count`` (each (batch, kv head)'s valid keys, at least 1,
+    ``(B, Hk, 1, 1)``), ``rows`` (each row's count of valid keys, ``(B, H, L)``) and ``keybias``
+    (``(b, h, 1, S)``: 0 or :data:`NEG`)."""
+
+    def __init__(self, valid: Optional[Tensor], shape: tuple, device: torch.device) -> None:
+        batch, kv, keys, length, heads, g, causal = shape
+        w = None if valid is None else valid.to(torch.float32).expand(batch, kv, keys)
+        n = torch.ones(1, 1, keys, device=device) if w is None else w
+        self.w, self.n = w, n
+        self.count = None if w is None else w.sum(-1).clamp(min=1)[..., None, None]
+        if causal:
+            # each row's count of valid keys (rows after the last key: all)
+            counts = n.cumsum(-1)
+            rows = counts.index_select(-1, torch.arange(length, device=device).clamp(max=keys - 1))
+        else:
+            rows = n.sum(-1, keepdim=True).expand(*n.shape[:2], length)
+        self.rows = rows.unsqueeze(2).expand(batch, kv, g, length).reshape(batch, heads, length)
+        self.keybias = None if w is None else torch.where(valid, 0.0, NEG).unsqueeze(-2)
+
+
+# the last call's terms: (key, the mask's storage, terms). Every layer of a forward passes the
+# same mask (a new view of one storage: Hugging Face's, or masks.simplify's cached key mask), and
+# these 12-16 small tensor operations per call (about 10 us each inside a step) then run once
+_LAST_TERMS: Optional[Tuple[tuple, Optional[StorageWeakRef], _MaskTerms]] = None
+
+
+def _mask_terms(valid: Optional[Tensor], shape: tuple, device: torch.device) -> _MaskTerms:
+    """:class:`_MaskTerms` of ``valid`` (a bool key mask or ``None``) for a call of ``shape``
+    ``(batch, kv, keys, length, heads, g, causal)``: the previous call's when the mask is the same
+    unchanged memory seen the same way (its storage alive, its pointer, shape, strides, offset and
+    version equal), else computed."""
+    global _LAST_TERMS
+    if valid is None:
+        key: tuple = (None, shape, device)
+    else:
+        key = (valid.data_ptr(), tuple(valid.shape), valid.stride(), valid.dtype, valid._version, shape, device)
+    last = _LAST_TERMS
+    if last is not None and last[0] == key and (last[1] is None or not last[1].expired()):
+        return last[2]
+    terms = _MaskTerms(valid, shape, device)
+    _LAST_TERMS = (key, None if valid is None else StorageWeakRef(valid.untyped_storage()), terms)
+    return terms
 
 
 def _key_mean(k: Tensor, w: Optional[Tensor], repeat: int, block_bytes: int) -> Tensor:
