@@ -22,6 +22,13 @@ Llama, SDPA, 4 layers, hidden 256, 8 heads / 2 kv heads, batch 1, seq 1024, caus
   ``--rows none`` gives ``every=1,rows=None``, every statistic exact.
 - ``before:...`` (``--before MODULE``): the same arms with another version of probe imported
   under another name (``benchmarks/before.sh`` makes one from a git commit), side by side.
+- ``one-model`` (``--one-model``): one copy of the model watched with ``every=2``; a round is two
+  steps, the sampled one and the unsampled one after it, and the arm's ``paired`` is the median
+  over rounds of sampled / unsampled. Both steps run on the same tensors, so the few percent by
+  which where a copy lies in memory moves a whole arm (the ``unsampled`` arm against ``bare``:
+  0.97–1.04) cancel; what the unsampled step costs (two Python hook calls) and the sampled step's
+  results handed over at the start of the next step count against the reference, not the arm.
+  Its ``x bare`` column is the sampled step over ``bare`` like every other arm's.
 
 Beside every arm: its ``floor``, the physical floor of probing this workload's step (``Floor``:
 ``1 +`` the FLOPs of the products probe cannot avoid, one ``q·kᵀ`` over every row forward and
@@ -53,6 +60,8 @@ Usage::
     python benchmarks/overhead.py --ops                # torch operations per probed call (no timing)
     python benchmarks/overhead.py --workload bert-padded --only every=1 --processes 5 \
         --rounds 15 --threads 1 --clock cpu --close 0  # the spread between processes
+    python benchmarks/overhead.py --workload bert-padded --only every=1 one-model --one-model \
+        --processes 5 --rounds 15 --threads 1 --clock cpu --close 0  # sampled / unsampled, one copy
     benchmarks/before.sh 7fc42e4 /tmp/before && \
       PYTHONPATH=$PWD:/tmp/before python benchmarks/overhead.py --before probe_before
 """
@@ -265,7 +274,7 @@ def _floor_args(name: str) -> Optional[tuple]:
         return (None if value == "None" else int(value), 1)
     if name.startswith("every=10"):
         return (128, 10)
-    if name.startswith("every=1"):
+    if name.startswith("every=1") or name == "one-model":
         return (128, 1)
     return None
 
@@ -278,6 +287,9 @@ CLOCK: List[Callable[[], float]] = [time.perf_counter]
 
 #: ``--only``: the probe arms to run (with ``bare``; empty: all of them).
 ONLY: List[str] = []
+
+#: ``--one-model``: add the one-model arm (sampled over unsampled steps of one copy).
+ONE_MODEL: List[bool] = [False]
 
 
 def _drain(p: Any) -> None:
@@ -312,6 +324,10 @@ class Arms:
             p = probe.watch(model, every=1, rows=rows or None)
             self.probes.append(p)
             self.arms[f"every=1,rows={rows or None}"] = self._timed(model, 1, p)
+        #: the one-model arm's unsampled steps, round by round (its run returns the sampled one's)
+        self.unsampled_of_one: List[float] = []
+        if ONE_MODEL[0] and not (ONLY and "one-model" not in ONLY):
+            self.arms["one-model"] = self._one_model(copy.deepcopy(w.model))
         if plain:
             self.plain = PlainStats()
             model = copy.deepcopy(w.model)
@@ -347,6 +363,25 @@ class Arms:
             return (CLOCK[0]() - t0) / steps
         return run
 
+    def _one_model(self, model: torch.nn.Module) -> Callable[[], float]:
+        """The ``one-model`` arm: ``every=2``, two steps per round; returns the sampled step's
+        time and keeps the unsampled one's in :attr:`unsampled_of_one`."""
+        p = probe.watch(model, every=2)
+        self.probes.append(p)
+
+        def run() -> float:
+            times = {}
+            for _ in range(2):
+                t0 = CLOCK[0]()
+                self.step(model)
+                # the step that forward belonged to (automatic counting)
+                times[p._sampled(p.current_step)] = CLOCK[0]() - t0
+            if set(times) != {True, False}:
+                raise RuntimeError(f"one-model: a round of two steps was not one sampled and one not ({times})")
+            self.unsampled_of_one.append(times[False])
+            return times[True]
+        return run
+
     def close(self) -> None:
         for p in self.probes:
             p.close()
@@ -375,6 +410,7 @@ def run_workload(workload: str, seq: int, batch: int, rounds: int, warmup: int, 
                 t = arms.arms[name]()
                 if r >= warmup:
                     times[name].append(t)
+        unsampled_of_one = arms.unsampled_of_one[warmup:]
         arms.close()
         close_s = close_time(workload, seq, batch, close_steps, tmp) if close_steps else None
         close_before = (close_time(workload, seq, batch, close_steps, tmp, importlib.import_module(before))
@@ -400,6 +436,11 @@ def run_workload(workload: str, seq: int, batch: int, rounds: int, warmup: int, 
         "close_s": close_s, "close_steps": close_steps, "close_before_s": close_before,
         "floor": floors, "bare_gflop": floor.bare / 1e9,
     }
+    if "one-model" in times:  # paired with its own unsampled step, not with the bare copy's
+        ratios = [t / u for t, u in zip(times["one-model"], unsampled_of_one)]
+        result["paired"]["one-model"] = statistics.median(ratios)
+        result["paired_ci"]["one-model"] = median_interval(ratios)
+        result["one_model_unsampled_ms"] = 1e3 * statistics.median(unsampled_of_one)
     if plain:
         assert arms.plain.values, "the plain arm captured nothing"
         plain_over = med["plain"] - bare
@@ -440,6 +481,9 @@ def print_result(res: Dict[str, Any]) -> None:
         print(f"{name:<22}{ms:>12.1f}{res['ratio'][name]:>10.3f}{res['paired'][name]:>10.3f}"
               f"{f'{lo:.3f}-{hi:.3f}':>16}{tail}")
     print("paired 95 %: a distribution-free interval of the paired median (order statistics of the rounds)")
+    if "one_model_unsampled_ms" in res:
+        print(f"one-model: paired = its sampled step over its own unsampled step "
+              f"({res['one_model_unsampled_ms']:.1f} ms), on the same copy of the model")
     if "overhead_vs_plain" in res:
         print(f"probe overhead / plain overhead (every=1): {res['overhead_vs_plain']:.3f}")
     if res["close_s"] is not None:
@@ -514,8 +558,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="run the whole measurement in this many fresh processes, one after another, and "
                              "print the spread of their paired medians (a machine's state differs between "
                              "processes more than rounds within one do)")
+    parser.add_argument("--one-model", action="store_true",
+                        help="add the one-model arm: every=2 on one copy, each sampled step over the "
+                             "unsampled step after it (no copy-to-copy placement noise)")
     args = parser.parse_args(argv)
     ONLY[:] = args.only
+    ONE_MODEL[0] = args.one_model
     if args.processes > 1:
         return _across_processes(args.processes, list(sys.argv[1:] if argv is None else argv), args.json)
     if args.ops:
