@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections import OrderedDict
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -33,7 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from probe.call import AttentionCall
 from probe.stats.chunks import MASK_BIAS, as_4d
 
-__all__ = ["is_mask", "key_validity", "row_pattern", "simplify"]
+__all__ = ["MaskTerms", "is_mask", "key_validity", "mask_terms", "row_pattern", "simplify"]
 
 # Verdicts per mask, most recent last: an encoder-decoder passes two or three masks in turn.
 # A front end may hand each layer its own alias of the model's one mask (a detached tensor: the
@@ -255,3 +255,50 @@ def simplify(call: AttentionCall, budget_bytes: int = 64 * 2**20) -> AttentionCa
         return call
     _, keymask, causal = value  # type: ignore[misc]
     return dataclasses.replace(call, mask=keymask, causal=causal)
+
+
+class MaskTerms:
+    """What a call's key validity gives the centred path (:mod:`probe.stats.paths.centred`), the
+    same for every layer of a forward (one mask for all): ``w`` (``(B, Hk, S)`` float32 weights,
+    ``None`` without a mask), ``n`` (``w``, or ones over the keys), ``count`` (each (batch, kv
+    head)'s valid keys, at least 1, ``(B, Hk, 1, 1)``), ``rows`` (each row's count of valid keys,
+    ``(B, H, L)``) and ``keybias`` (``(b, h, 1, S)``: 0 or ``neg``)."""
+
+    def __init__(self, valid: Optional[Tensor], shape: tuple, device: torch.device, neg: float) -> None:
+        batch, kv, keys, length, heads, g, causal = shape
+        w = None if valid is None else valid.to(torch.float32).expand(batch, kv, keys)
+        n = torch.ones(1, 1, keys, device=device) if w is None else w
+        self.w, self.n = w, n
+        self.count = None if w is None else w.sum(-1).clamp(min=1)[..., None, None]
+        if causal:
+            # each row's count of valid keys (rows after the last key: all)
+            counts = n.cumsum(-1)
+            rows = counts.index_select(-1, torch.arange(length, device=device).clamp(max=keys - 1))
+        else:
+            rows = n.sum(-1, keepdim=True).expand(*n.shape[:2], length)
+        self.rows = rows.unsqueeze(2).expand(batch, kv, g, length).reshape(batch, heads, length)
+        self.keybias = None if w is None else torch.where(valid, 0.0, neg).unsqueeze(-2)
+
+
+# the last call's terms: (key, the mask's storage, terms). Every layer of a forward passes the
+# same mask (a new view of one storage: Hugging Face's, or masks.simplify's cached key mask), and
+# these 12-16 small tensor operations per call (about 10 us each inside a step) then run once
+_LAST_TERMS: Optional[Tuple[tuple, Optional[StorageWeakRef], MaskTerms]] = None
+
+
+def mask_terms(valid: Optional[Tensor], shape: tuple, device: torch.device, neg: float) -> MaskTerms:
+    """:class:`MaskTerms` of ``valid`` (a bool key mask or ``None``) for a call of ``shape``
+    ``(batch, kv, keys, length, heads, g, causal)``: the previous call's when the mask is the same
+    unchanged memory seen the same way (its storage alive, its pointer, shape, strides, offset and
+    version equal), else computed."""
+    global _LAST_TERMS
+    if valid is None:
+        key: tuple = (None, shape, device, neg)
+    else:
+        key = (valid.data_ptr(), tuple(valid.shape), valid.stride(), valid.dtype, valid._version, shape, device, neg)
+    last = _LAST_TERMS
+    if last is not None and last[0] == key and (last[1] is None or not last[1].expired()):
+        return last[2]
+    terms = MaskTerms(valid, shape, device, neg)
+    _LAST_TERMS = (key, None if valid is None else StorageWeakRef(valid.untyped_storage()), terms)
+    return terms

@@ -1,6 +1,6 @@
 """The centred path's mask-derived terms are computed once per mask, not once per call.
 
-Every layer of a forward passes the same mask, so ``centred._mask_terms`` keeps the last call's
+Every layer of a forward passes the same mask, so ``masks.mask_terms`` keeps the last call's
 (the weights, the valid-key counts per row, the key bias) and gives them to the next call whose
 mask is the same unchanged memory seen the same way. These tests check that the kept terms are
 never the wrong ones: a mask changed in place, a new mask in the freed memory of the old one, a
@@ -18,7 +18,7 @@ import torch
 
 from probe.call import AttentionCall
 from probe.stats.forward import forward_stats
-from probe.stats.paths import centred
+from probe.stats import masks
 
 
 def _stats(call):
@@ -26,7 +26,7 @@ def _stats(call):
 
 
 def _fresh(call):
-    centred._LAST_TERMS = None
+    masks._LAST_TERMS = None
     return _stats(call)
 
 
@@ -55,9 +55,9 @@ def test_calls_sharing_a_mask_get_the_values_of_calls_that_do_not(causal):
     calls = [AttentionCall(q=q, k=k, v=v, scale=0.35, mask=mask[..., :], causal=causal)  # a new view each
              for q, k, v in (_qkv(s) for s in range(3))]
     alone = [_fresh(c) for c in calls]
-    centred._LAST_TERMS = None
+    masks._LAST_TERMS = None
     shared = [_stats(c) for c in calls]
-    assert centred._LAST_TERMS is not None  # the centred path ran and kept them
+    assert masks._LAST_TERMS is not None  # the centred path ran and kept them
     for a, b in zip(shared, alone):
         _equal(a, b)
 

@@ -51,10 +51,10 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from torch import Tensor
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from probe.call import AttentionCall
 from probe.stats.buffers import Scratch, kept_buffer
+from probe.stats.masks import mask_terms
 from probe.stats.plan import LOGIT_BOUND, SAMPLED_BYTES, CallPlan, chunk_picks
 from probe.stats.rows import Rows, exp_sums, nonfinite_rows, softmax_rows
 
@@ -97,7 +97,7 @@ class CentredPrep:
                 k = k.repeat_interleave(g, 1)
             kv, g = heads, 1
         self.g, self.kv, self.causal, self.k = g, kv, call.causal, k
-        terms = _mask_terms(valid, (batch, kv, keys, length, heads, g, call.causal), q.device)
+        terms = mask_terms(valid, (batch, kv, keys, length, heads, g, call.causal), q.device, NEG)
         w = terms.w
         self.w = w
         self.kt: Optional[Tensor] = None
@@ -161,53 +161,6 @@ class CentredPrep:
         if self.w is not None:
             out.mul_(self.w[..., k0:k1].unsqueeze(-2))
         return out
-
-
-class _MaskTerms:
-    """What a call's key validity gives the centred path, the same for every layer of a forward
-    (one mask for all): ``w`` (``(B, Hk, S)`` float32 weights, ``None`` without a mask), ``n``
-    (``w``, or ones over the keys), ``count`` (each (batch, kv head)'s valid keys, at least 1,
-    ``(B, Hk, 1, 1)``), ``rows`` (each row's count of valid keys, ``(B, H, L)``) and ``keybias``
-    (``(b, h, 1, S)``: 0 or :data:`NEG`)."""
-
-    def __init__(self, valid: Optional[Tensor], shape: tuple, device: torch.device) -> None:
-        batch, kv, keys, length, heads, g, causal = shape
-        w = None if valid is None else valid.to(torch.float32).expand(batch, kv, keys)
-        n = torch.ones(1, 1, keys, device=device) if w is None else w
-        self.w, self.n = w, n
-        self.count = None if w is None else w.sum(-1).clamp(min=1)[..., None, None]
-        if causal:
-            # each row's count of valid keys (rows after the last key: all)
-            counts = n.cumsum(-1)
-            rows = counts.index_select(-1, torch.arange(length, device=device).clamp(max=keys - 1))
-        else:
-            rows = n.sum(-1, keepdim=True).expand(*n.shape[:2], length)
-        self.rows = rows.unsqueeze(2).expand(batch, kv, g, length).reshape(batch, heads, length)
-        self.keybias = None if w is None else torch.where(valid, 0.0, NEG).unsqueeze(-2)
-
-
-# the last call's terms: (key, the mask's storage, terms). Every layer of a forward passes the
-# same mask (a new view of one storage: Hugging Face's, or masks.simplify's cached key mask), and
-# these 12-16 small tensor operations per call (about 10 us each inside a step) then run once
-_LAST_TERMS: Optional[Tuple[tuple, Optional[StorageWeakRef], _MaskTerms]] = None
-
-
-def _mask_terms(valid: Optional[Tensor], shape: tuple, device: torch.device) -> _MaskTerms:
-    """:class:`_MaskTerms` of ``valid`` (a bool key mask or ``None``) for a call of ``shape``
-    ``(batch, kv, keys, length, heads, g, causal)``: the previous call's when the mask is the same
-    unchanged memory seen the same way (its storage alive, its pointer, shape, strides, offset and
-    version equal), else computed."""
-    global _LAST_TERMS
-    if valid is None:
-        key: tuple = (None, shape, device)
-    else:
-        key = (valid.data_ptr(), tuple(valid.shape), valid.stride(), valid.dtype, valid._version, shape, device)
-    last = _LAST_TERMS
-    if last is not None and last[0] == key and (last[1] is None or not last[1].expired()):
-        return last[2]
-    terms = _MaskTerms(valid, shape, device)
-    _LAST_TERMS = (key, None if valid is None else StorageWeakRef(valid.untyped_storage()), terms)
-    return terms
 
 
 def _key_mean(k: Tensor, w: Optional[Tensor], repeat: int, block_bytes: int) -> Tensor:
