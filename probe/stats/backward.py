@@ -149,7 +149,7 @@ def grad_scale(grad: Tensor) -> Tensor:
         return torch.ones((), device=grad.device)
     lo, hi = minmax(grad.detach())
     if grad.device.type == "cpu":  # read on the host: no synchronization there, ten operations fewer
-        return torch.tensor(_cpu_grad_scale(max(-lo.item(), hi.item())))
+        return torch.tensor(_cpu_grad_scale(max(-lo.item(), hi.item())), dtype=torch.float32)
     exponent = torch.floor(torch.log2(torch.maximum(hi, -lo).float()))
     ok = torch.isfinite(exponent)
     # at most 2¹²⁶: a gradient of subnormal entries (below 2⁻¹²⁶, a vanishing gradient) would

@@ -131,6 +131,18 @@ def test_grad_scale_read_on_the_host_equals_the_device_formula(dtype):
             assert got == want, (dtype, sign * v, got, want)
 
 
+def test_grad_scale_is_float32_whatever_the_default_dtype():
+    """The host-computed scale is made as float32 like the device path's, also under
+    ``torch.set_default_dtype(torch.float64)``."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        s = grad_scale(torch.tensor([3.0, -1.0], dtype=torch.float32))
+    finally:
+        torch.set_default_dtype(before)
+    assert s.dtype == torch.float32 and s == 0.5
+
+
 def test_grad_scale_of_an_empty_gradient_is_one():
     assert grad_scale(torch.zeros(2, 0, 3, 4)) == 1.0
 
