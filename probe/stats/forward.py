@@ -118,7 +118,7 @@ def forward_rows(call: AttentionCall, plan: CallPlan) -> Optional[Rows]:
     scratch = call_scratch(plan.path, widest, call.q.device)
     try:
         rows: Rows = PATH_MODULES[plan.path].forward_rows(call, plan, scratch)
-        if plan.path in _PROVEN_PATHS and not math.isfinite(float(rows.m2.sum())):
+        if _rescalable(plan) and not math.isfinite(float(rows.m2.sum())):
             rows = _rescaled_rows(call, plan, scratch)
     finally:
         release(scratch)
@@ -131,16 +131,25 @@ def forward_rows(call: AttentionCall, plan: CallPlan) -> Optional[Rows]:
 # squares in float32: beyond logits of ~1e19/sqrt(S) that sum overflows (an inf M2 there can only
 # be that). Their call is then measured again with q and k scaled by 2⁻³² (exact: powers of two),
 # so logits 2⁶⁴ times smaller, the scales 2⁶⁴ times larger (σR unchanged: the same softmax), and the
-# rows scaled back in float64. A read of one sum per call, free on CPUs.
+# rows scaled back in float64. A read of one sum per call, free on CPUs. The general path's calls
+# proven finite (CPUs: every σR bounded, q and k finite) likewise: a bias, a soft cap and the
+# scales' signs see the same σR, so only the moments and extremes of R scale back.
 _PROVEN_PATHS = ("centred", "key_blocks")
 _SHRINK = 2.0**-32
+
+
+def _rescalable(plan: CallPlan) -> bool:
+    """Whether a non-finite row M2 of this plan's call can only be float32's sum of squares
+    overflowing (then :func:`_rescaled_rows` measures it again)."""
+    return plan.path in _PROVEN_PATHS or (plan.path == "general" and plan.proven)
 
 
 def _rescaled_rows(call: AttentionCall, plan: CallPlan, scratch: Any) -> Rows:
     """The call's rows measured on ``q·2⁻³²``, ``k·2⁻³²`` at scales ``σ·2⁶⁴``, moments scaled back."""
     grow = _SHRINK**-2
     small = dataclasses.replace(call, q=call.q * _SHRINK, k=call.k * _SHRINK)
-    again = dataclasses.replace(plan, values=tuple(float(v) * grow for v in plan.values))  # type: ignore[arg-type]
+    again = dataclasses.replace(plan, values=tuple(v * grow if isinstance(v, Tensor) else float(v) * grow  # type: ignore[arg-type]
+                                                   for v in plan.values))
     rows: Rows = PATH_MODULES[plan.path].forward_rows(small, again, scratch)
     plan.carry.update(again.carry)  # the kept exponentials are of σR itself: the backward's as they are
     return dataclasses.replace(rows, top=rows.top * grow, mean=rows.mean * grow, m2=rows.m2 * grow**2,

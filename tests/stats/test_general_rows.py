@@ -266,3 +266,42 @@ def test_buffers_kept_between_calls_change_nothing(monkeypatch):
     buffers.forget()
     forward_stats(a, _scales(a))
     assert not buffers.kept()  # over the limit: not kept
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("per_head", [True, False])
+def test_logits_whose_squares_overflow_float32_are_measured_again_rescaled(monkeypatch, causal, per_head):
+    """Raw logits near 1e20 at scales near 1e-20 (so an ordinary softmax: σR as in ``_case``),
+    with a bias that masks, a soft cap, padding, GQA, and per-head scales of both signs: each row's
+    float32 sum of squared logits overflows, so the call proven finite is measured again on q, k
+    scaled by 2^-32 at scales 2^64 larger. Moments, maxima (the min for the negative scale) and
+    the softmax metrics match float64; ``logit_var`` read inf before. With logits 2^32 times
+    smaller the first measurement stands."""
+    import probe.stats.forward as forward
+
+    again = []
+    real = forward._rescaled_rows
+    monkeypatch.setattr(forward, "_rescaled_rows", lambda *a: again.append(1) or real(*a))
+    base = _case(causal=causal, padded=True, gqa=True)
+    sigma = base.scale * 1e-20 if per_head else 0.3e-20
+    call = dataclasses.replace(base, q=base.q * 1e10, k=base.k * 1e10, scale=sigma)
+    scales = {"actual": sigma}
+    _, p = plan.plan_call(call, scales, 2**14)
+    assert p.path == "general" and p.proven
+    full = forward_stats(call, scales, saturation=TAU, budget_bytes=2**14)
+    assert again
+    ok, rows, heads = reference(call, sigma)
+    n, mean, m2 = full["logit@actual"].numpy()
+    np.testing.assert_array_equal(n, heads[:, 0])
+    np.testing.assert_allclose(mean, heads[:, 1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(m2, heads[:, 2], rtol=1e-5)
+    np.testing.assert_allclose(full["logit_max@actual"].numpy(), heads[:, 3], rtol=1e-5)
+    for metric, y in rows.items():
+        np.testing.assert_allclose(full[f"{metric}@actual"].numpy(), y.sum((0, 2)).numpy(), rtol=2e-5, atol=1e-5,
+                                   err_msg=metric)
+    assert float(full["nonfinite"].sum()) == 0
+    again.clear()
+    smaller = dataclasses.replace(call, q=call.q * 2.0**-32, k=call.k * 2.0**-32, scale=sigma * 2.0**64)
+    got = forward_stats(smaller, {"actual": smaller.scale}, saturation=TAU, budget_bytes=2**14)
+    assert not again
+    np.testing.assert_allclose(got["logit@actual"].numpy(), full["logit@actual"].numpy(), rtol=1e-5, atol=1e-5)
