@@ -27,7 +27,7 @@ from torch import Tensor
 from probe.call import AttentionCall, Scale
 from probe.stats.buffers import call_scratch, release
 from probe.stats.paths import centred, general, key_blocks, logits, shifted
-from probe.stats.plan import CallPlan, plan_call
+from probe.stats.plan import CallPlan, absmax, plan_call
 from probe.stats.reduce import Heads, reduce_rows
 from probe.stats.rows import Rows
 
@@ -118,7 +118,7 @@ def forward_rows(call: AttentionCall, plan: CallPlan) -> Optional[Rows]:
     scratch = call_scratch(plan.path, widest, call.q.device)
     try:
         rows: Rows = PATH_MODULES[plan.path].forward_rows(call, plan, scratch)
-        if _rescalable(plan) and not math.isfinite(float(rows.m2.sum())):
+        if _may_rescale(call, plan) and not math.isfinite(float(rows.m2.sum())) and _retry_finite(call, plan):
             rows = _rescaled_rows(call, plan, scratch)
     finally:
         release(scratch)
@@ -131,17 +131,30 @@ def forward_rows(call: AttentionCall, plan: CallPlan) -> Optional[Rows]:
 # squares in float32: beyond logits of ~1e19/sqrt(S) that sum overflows (an inf M2 there can only
 # be that). Their call is then measured again with q and k scaled by 2⁻³² (exact: powers of two),
 # so logits 2⁶⁴ times smaller, the scales 2⁶⁴ times larger (σR unchanged: the same softmax), and the
-# rows scaled back in float64. A read of one sum per call, free on CPUs. The general path's calls
-# proven finite (CPUs: every σR bounded, q and k finite) likewise: a bias, a soft cap and the
-# scales' signs see the same σR, so only the moments and extremes of R scale back.
+# rows scaled back in float64. A read of one sum per call, free on CPUs. The shifted and general
+# paths' CPU calls likewise, when the retry is sure to be finite: q and k with
+# max|q|·max|k|·d·sqrt(S) at most 2¹²⁶ (read only after an M2 came out non-finite): then |R| fits
+# float32 and 2⁶⁴ times smaller its squares sum finitely.
+# R's moments see neither the mask nor the bias, and a bias, a soft cap and the scales' signs see
+# the same σR, so only the moments and extremes of R scale back. Larger logits keep their inf (an
+# R past float32's range has no float32 max). Not on accelerators: the read would synchronize.
 _PROVEN_PATHS = ("centred", "key_blocks")
 _SHRINK = 2.0**-32
 
 
-def _rescalable(plan: CallPlan) -> bool:
-    """Whether a non-finite row M2 of this plan's call can only be float32's sum of squares
-    overflowing (then :func:`_rescaled_rows` measures it again)."""
-    return plan.path in _PROVEN_PATHS or (plan.path == "general" and plan.proven)
+def _may_rescale(call: AttentionCall, plan: CallPlan) -> bool:
+    """Whether this plan's call is measured again when a row M2 comes out non-finite (read on
+    the host, so CPUs only: the proven paths are), given :func:`_retry_finite`."""
+    return plan.path in _PROVEN_PATHS or (plan.path in ("shifted", "general") and call.q.device.type == "cpu")
+
+
+def _retry_finite(call: AttentionCall, plan: CallPlan) -> bool:
+    """Whether the rescaled measurement's R fits float32 and its squares sum finitely: known on
+    the centred paths (every logit at most 2⁹⁰), else from ``max|q|·max|k|·d·sqrt(S) ≤ 2¹²⁶``
+    (False for inf and NaN; a general call proven finite bounds σR, not R)."""
+    if plan.path in _PROVEN_PATHS:
+        return True
+    return absmax(call.q) * absmax(call.k) * call.q.shape[-1] * math.sqrt(call.k.shape[2]) <= 2.0**126
 
 
 def _rescaled_rows(call: AttentionCall, plan: CallPlan, scratch: Any) -> Rows:
