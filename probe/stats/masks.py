@@ -22,6 +22,7 @@ weak reference to the mask's memory, for as long as that memory lives and is unc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections import OrderedDict
 from typing import Callable, Dict, Optional, Tuple
@@ -70,27 +71,27 @@ def _check(t: Tensor, causal: bool, length: int, keys: int) -> tuple:
     return (t._version, causal, length, keys)
 
 
-def _sweep() -> None:
-    for key in [key for key, entry in _CACHE.items() if entry.ref.expired()]:
-        del _CACHE[key]
+def _sweep(cache: "OrderedDict[tuple, _Entry]") -> None:
+    for key in [key for key, entry in cache.items() if entry.ref.expired()]:
+        del cache[key]
 
 
-def _cached(t: Tensor, check: tuple):
-    _sweep()
+def _cached(t: Tensor, check: tuple, cache: "OrderedDict[tuple, _Entry]" = _CACHE):
+    _sweep(cache)
     key = _where(t)
-    entry = _CACHE.get(key)
+    entry = cache.get(key)
     if entry is not None and entry.check == check:
-        _CACHE.move_to_end(key)
+        cache.move_to_end(key)
         return True, entry.value
     return False, None
 
 
-def _store(t: Tensor, check: tuple, value) -> None:
+def _store(t: Tensor, check: tuple, value, cache: "OrderedDict[tuple, _Entry]" = _CACHE) -> None:
     key = _where(t)
-    _CACHE[key] = _Entry(StorageWeakRef(t.untyped_storage()), check, value)
-    _CACHE.move_to_end(key)
-    while len(_CACHE) > _MAX_ENTRIES:
-        _CACHE.popitem(last=False)
+    cache[key] = _Entry(StorageWeakRef(t.untyped_storage()), check, value)
+    cache.move_to_end(key)
+    while len(cache) > _MAX_ENTRIES:
+        cache.popitem(last=False)
 
 
 def key_validity(call: AttentionCall) -> Tuple[bool, Optional[Tensor], bool]:
@@ -280,25 +281,30 @@ class MaskTerms:
         self.keybias = None if w is None else torch.where(valid, 0.0, neg).unsqueeze(-2)
 
 
-# the last call's terms: (key, the mask's storage, terms). Every layer of a forward passes the
-# same mask (a new view of one storage: Hugging Face's, or masks.simplify's cached key mask), and
-# these 12-16 small tensor operations per call (about 10 us each inside a step) then run once
-_LAST_TERMS: Optional[Tuple[tuple, Optional[StorageWeakRef], MaskTerms]] = None
+# The terms per mask, kept as the verdicts are (_cached, _store: keyed by the memory, a weak
+# reference to its storage, the version in the check) in a cache of their own. Every layer of a
+# forward passes the same mask (a new view of one storage: Hugging Face's, or simplify's cached key
+# mask), and these 12-16 small tensor operations per call (about 10 us each inside a step) then run
+# once per mask.
+_TERMS: "OrderedDict[tuple, _Entry]" = OrderedDict()
 
 
 def mask_terms(valid: Optional[Tensor], shape: tuple, device: torch.device, neg: float) -> MaskTerms:
     """:class:`MaskTerms` of ``valid`` (a bool key mask or ``None``) for a call of ``shape``
-    ``(batch, kv, keys, length, heads, g, causal)``: the previous call's when the mask is the same
-    unchanged memory seen the same way (its storage alive, its pointer, shape, strides, offset and
+    ``(batch, kv, keys, length, heads, g, causal)``: an earlier call's when the mask is the same
+    unchanged memory seen the same way (its storage alive, its pointer, shape, strides, dtype and
     version equal), else computed."""
-    global _LAST_TERMS
     if valid is None:
-        key: tuple = (None, shape, device, neg)
-    else:
-        key = (valid.data_ptr(), tuple(valid.shape), valid.stride(), valid.dtype, valid._version, shape, device, neg)
-    last = _LAST_TERMS
-    if last is not None and last[0] == key and (last[1] is None or not last[1].expired()):
-        return last[2]
-    terms = MaskTerms(valid, shape, device, neg)
-    _LAST_TERMS = (key, None if valid is None else StorageWeakRef(valid.untyped_storage()), terms)
+        return _unmasked_terms(shape, device, neg)
+    check = (valid._version, shape, device, neg)
+    hit, terms = _cached(valid, check, _TERMS)
+    if not hit:
+        terms = MaskTerms(valid, shape, device, neg)
+        _store(valid, check, terms, _TERMS)
     return terms
+
+
+@functools.lru_cache(maxsize=_MAX_ENTRIES)
+def _unmasked_terms(shape: tuple, device: torch.device, neg: float) -> MaskTerms:
+    """:class:`MaskTerms` of a call without a mask (cached: callers must not change them)."""
+    return MaskTerms(None, shape, device, neg)

@@ -1,6 +1,6 @@
 """The centred path's mask-derived terms are computed once per mask, not once per call.
 
-Every layer of a forward passes the same mask, so ``masks.mask_terms`` keeps the last call's
+Every layer of a forward passes the same mask, so ``masks.mask_terms`` keeps an earlier call's
 (the weights, the valid-key counts per row, the key bias) and gives them to the next call whose
 mask is the same unchanged memory seen the same way. These tests check that the kept terms are
 never the wrong ones: a mask changed in place, a new mask in the freed memory of the old one, a
@@ -25,8 +25,13 @@ def _stats(call):
     return forward_stats(call, {"actual": call.scale, "unscaled": 1.0})
 
 
+def _forget():
+    masks._TERMS.clear()
+    masks._unmasked_terms.cache_clear()
+
+
 def _fresh(call):
-    masks._LAST_TERMS = None
+    _forget()
     return _stats(call)
 
 
@@ -55,9 +60,9 @@ def test_calls_sharing_a_mask_get_the_values_of_calls_that_do_not(causal):
     calls = [AttentionCall(q=q, k=k, v=v, scale=0.35, mask=mask[..., :], causal=causal)  # a new view each
              for q, k, v in (_qkv(s) for s in range(3))]
     alone = [_fresh(c) for c in calls]
-    masks._LAST_TERMS = None
+    _forget()
     shared = [_stats(c) for c in calls]
-    assert masks._LAST_TERMS is not None  # the centred path ran and kept them
+    assert masks._TERMS  # the centred path ran and kept them
     for a, b in zip(shared, alone):
         _equal(a, b)
 
