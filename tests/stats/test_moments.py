@@ -415,3 +415,17 @@ def test_the_rescaled_measurement_hands_its_kept_exponentials_to_the_backward(mo
     fresh = grad_logits_stats(call, dout, scales, plan=fresh_plan)
     for key in fresh:
         torch.testing.assert_close(kept[key], fresh[key], rtol=1e-4, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_causal_row_of_one_key_has_no_spread(monkeypatch, path, batch):
+    # a causal call's first row sees one key, whose centred value C = q·(k₀ − k̄) is of the logits'
+    # size: ΣC² − (ΣC)²/1 rounded to ~2⁻²⁴·C² (0.07 here) where the variance of one logit is 0
+    seen = _spy(monkeypatch)
+    q, k = _inputs(b=batch, h=2, hk=2, l=1, s=5, d=32, noise=10.0, seed=3)
+    call = AttentionCall(q=q, k=k, v=None, scale=1.0, causal=True)
+    got = _check(call, None, scale=1.0, rtol=1e-6)
+    m2 = got["logit@actual"][2]
+    if batch == 1:  # one logit per head
+        assert torch.equal(m2, torch.zeros_like(m2))
+    assert seen

@@ -386,6 +386,8 @@ def exact_rows(prep: CentredPrep, csum: Tensor, sumsq: Tensor, cmax: Tensor) -> 
     safe = n.double().clamp(min=1)
     per_key = csum / safe
     m2 = torch.addcmul(sumsq, csum, per_key, value=-1).clamp_(min=0)  # ΣC² − (ΣC)²/n
+    if prep.causal:  # a row of one key (every causal call's first) has M2 = 0, not ΣC²'s rounding
+        m2 = m2.masked_fill_(n <= 1, 0.0)  # (≈ 2⁻²⁴·C², C of the logits' size: its key is not centred for it)
     mean = prep.shift + per_key
     r = torch.where(n > 0, (cmax + prep.shift).float(), 0.0)
     zero = torch.zeros((), device=n.device).expand(n.shape)
