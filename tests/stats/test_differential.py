@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import pytest
 import torch
