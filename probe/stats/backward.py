@@ -222,8 +222,8 @@ def grad_logits_stats(
     batch, heads, length, keys = call.q.shape[0], call.q.shape[1], plan.length, plan.keys
     if plan.path == "logits" and call.logits is None:
         return {}  # the call's own logits were asked for but it has none
-    if grad_probs is None and (grad_output is None or call.v is None):
-        return {}
+    if grad_probs is None and (grad_output is None or call.v is None or call.v.shape[2] != keys):
+        return {}  # no dP, or one of v's keys that is not the softmax's width (logits joined with a sink's)
     # the chunks' buffers and v's copy (probe.stats.buffers: on some paths the thread's previous call's)
     scratch = call_scratch(BACKWARD_PATH[plan.path], batch * heads * backward_step(call, plan) * keys, call.q.device)
     try:

@@ -184,14 +184,17 @@ def plan_call(call: AttentionCall, scales: Mapping[str, Optional[Scale]], budget
             fits in it and in :data:`KEEP_EXPS_BYTES` (``plan.keep``).
     """
     batch, heads, length, _ = call.q.shape
-    keys = call.k.shape[2]
     names, values = group_scales(scales)
+    own_logits = (call.logits is not None and call.scale is None) or any(v is None for v in values)
+    # from its own logits, the softmax's width: scores joined with logits of their own along the
+    # keys (an attention sink) have more columns than k has keys
+    keys = call.logits.shape[-1] if own_logits and call.logits is not None else call.k.shape[2]
     positions = _positions(rows, length, generator)
     common = dict(names=names, values=values, length=length, keys=keys, positions=positions,
                   acc=accumulation_dtype(call.q.device), budget_bytes=budget_bytes,
                   design=None if positions is None else row_design(  # drawn here: the design of (L, N)
                       positions.shape[0] if isinstance(rows, int) else positions, length))
-    if (call.logits is not None and call.scale is None) or any(v is None for v in values):
+    if own_logits:
         step = max(1, min(chunk_rows(batch, heads, keys, budget_bytes), length))
         return call, CallPlan("logits", names=(("actual",),), values=(None,), step=step,  # type: ignore[arg-type]
                               **{k: v for k, v in common.items() if k not in ("names", "values")})

@@ -913,6 +913,10 @@ def core_attention_sink(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 def test_scores_joined_with_a_sink_are_measured_at_actual() -> None:
     net, s, warned = run(core_attention_sink, grads=False)
+    # (over zip(s.sites, ...) alone this passed with no site measured: the logits path took its
+    # width from k's S keys, the sink's logits have S + 1, and each site's statistics failed)
+    assert s.sites == ["blocks.0", "blocks.1"], warned
+    assert not any("NOT measured" in w for w in warned), warned
     for name, block in zip(s.sites, net.blocks):
         assert s.info(name)["scale"] is None and "sink" in s.info(name)["scale_unknown"]
         np.testing.assert_allclose(s.value(name, "entropy"), entropy_ref(block.z.softmax(-1)), rtol=1e-5, atol=1e-6)

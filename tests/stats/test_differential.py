@@ -139,3 +139,23 @@ def test_random_calls_match_float64(first):
             _close(f"{where} max_prob", got[f"max_prob@{name}"], want["max_prob"], 1e-4 * rows + 1e-9, 0)
             _close(f"{where} saturated", got[f"saturated@{name}"], want["saturated"], want["near"], 0)
             _close(f"{where} grad_logits", grads[f"grad_logits_sq@{name}"], want["grad"], want["grad_slack"] + 1e-30, 1e-4)
+
+
+def test_logits_joined_with_a_sink_are_measured_over_their_own_width():
+    # x-transformers' attention sink: a logit per head joined to the scores, softmax over S + 1,
+    # only the S scores' probabilities meet v. From its own logits the call has S + 1 keys.
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(3))
+    z = torch.cat([torch.full((2, 3, 5, 1), 0.5), q @ k.transpose(-1, -2) / 8**0.5], -1)
+    call = AttentionCall(q=q, k=k, v=v, scale=None, logits=z)
+    got = forward_stats(call, {"actual": None})
+    p = z.double().softmax(-1)
+    entropy = (-(p * p.log()).sum(-1) / math.log(6)).sum((0, 2))
+    torch.testing.assert_close(got["entropy@actual"].double(), entropy, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(got["logit_max@actual"].double(), z.double().amax((0, 2, 3)), rtol=1e-6, atol=0)
+    dp = torch.randn(2, 3, 5, 6, generator=gen)  # ∂L/∂P, the sink's column included
+    grads = grad_logits_stats(call, None, {"actual": None}, grad_probs=dp)
+    dz = p * (dp.double() - (p * dp.double()).sum(-1, keepdim=True))
+    torch.testing.assert_close(grads["grad_logits_sq@actual"].double(), dz.square().sum((0, 2, 3)), rtol=1e-5, atol=0)
+    # ∂L/∂out · vᵀ has v's S columns, not the softmax's S + 1: no dP to measure from
+    assert grad_logits_stats(call, torch.randn(2, 3, 5, 8, generator=gen), {"actual": None}) == {}
