@@ -17,9 +17,10 @@ downloads; each skipped when not installed):
 same inputs) under a mode that records, per site (the innermost module, named as probe names
 sites), every softmax over the last dim and every SDPA call, and computes in float64 what the
 model computed: the mean normalized entropy and max probability of its own probabilities
-(eager), and for SDPA, from its own arguments, the same at ``actual`` and, with the scale the
-model's config declares, at ``unscaled`` and ``standard``. Keys with probability below 1e-30
-(about e^-69) count as masked.
+(eager; for ``nn.MultiheadAttention`` its per-head weights, ``need_weights=True``), and for SDPA,
+from its own arguments, the same at ``actual`` and, with the scale the model's config declares,
+at ``unscaled`` and ``standard``. Keys with probability below 1e-30 (about e^-69) count as
+masked.
 """
 
 from __future__ import annotations
@@ -171,6 +172,9 @@ def more_cases() -> Iterator[Case]:
     if have("reformer_pytorch"):
         yield "reformer-pytorch/full", lambda: _reformer(False), _default
         yield "reformer-pytorch/lsh", lambda: _reformer(True), _default
+    from benchmarks.survey_sweep import sweep_cases
+
+    yield from sweep_cases(have)
 
 
 # -- the check by values -----------------------------------------------------------------------------
@@ -242,6 +246,11 @@ class _ValueMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             self._add(_sdpa_probs(args, kwargs, self.scale_of))
+        elif func is F.multi_head_attention_forward:  # nn.MultiheadAttention: its own per-head weights
+            again = dict(kwargs, need_weights=True, average_attn_weights=False)
+            weights = func(*args, **again)[1]
+            if isinstance(weights, Tensor):
+                self._add({"actual": weights.detach()})
         elif func in (F.softmax, torch.softmax, Tensor.softmax) and isinstance(out, Tensor) and out.dim() >= 3:
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             if dim in (-1, out.dim() - 1) and out.is_floating_point():
