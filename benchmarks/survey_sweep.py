@@ -118,6 +118,37 @@ def _unet_heads(head_dim: Any, eager: bool) -> Tuple[nn.Module, tuple, dict]:
     return model, (torch.randn(1, 4, 8, 8, generator=g), 3), {"encoder_hidden_states": torch.randn(1, 5, 32, generator=g)}
 
 
+def _unet_proc(kind: str) -> Tuple[nn.Module, tuple, dict]:
+    """UNet2DConditionModel with other processors: sliced eager attention, fused qkv, a padded
+    caption (``encoder_attention_mask``), added-KV attention (``SimpleCrossAttn`` blocks)."""
+    from diffusers import UNet2DConditionModel
+    from diffusers.models import attention_processor as ap
+
+    torch.manual_seed(0)
+    simple = kind == "added_kv"
+    down = ("SimpleCrossAttnDownBlock2D" if simple else "CrossAttnDownBlock2D", "DownBlock2D")
+    up = ("UpBlock2D", "SimpleCrossAttnUpBlock2D" if simple else "CrossAttnUpBlock2D")
+    model = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+                                 block_out_channels=(32, 64), down_block_types=down, up_block_types=up,
+                                 mid_block_type="UNetMidBlock2DSimpleCrossAttn" if simple else "UNetMidBlock2DCrossAttn",
+                                 cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8).eval()
+    if kind == "sliced":
+        model.set_attn_processor(ap.SlicedAttnProcessor(slice_size=3))
+    elif kind == "fused":
+        model.fuse_qkv_projections()
+    elif kind == "added_kv_eager":
+        model.set_attn_processor(ap.AttnAddedKVProcessor())
+    g = _gen()
+    kwargs: Dict[str, Any] = {"encoder_hidden_states": torch.randn(2, 5, 32, generator=g)}
+    if kind in ("mask", "mask_eager"):
+        mask = torch.ones(2, 5)
+        mask[1, -2:] = 0
+        kwargs["encoder_attention_mask"] = mask
+        if kind == "mask_eager":
+            model.set_attn_processor(ap.AttnProcessor())
+    return model, (torch.randn(2, 4, 8, 8, generator=g), 3), kwargs
+
+
 # -- torchtune -------------------------------------------------------------------------------------
 def _torchtune(arch: str) -> Tuple[nn.Module, tuple, dict]:
     torch.manual_seed(0)
@@ -280,6 +311,8 @@ def sweep_cases(have: Callable[[str], bool]) -> Iterator[Case]:
         yield "diffusers/cogvideox_rotary", lambda: _cogvideox(True), _default
         yield "diffusers/unet_heads/sdpa", lambda: _unet_heads((2, 4), False), _default
         yield "diffusers/unet_heads/eager_upcast", lambda: _unet_heads((2, 4), True), _default
+        for kind in ("sliced", "fused", "mask", "mask_eager", "added_kv", "added_kv_eager"):
+            yield f"diffusers/unet_{kind}", lambda k=kind: _unet_proc(k), _default
     if have("torchtune"):
         for arch in ("llama3", "qwen2"):
             yield f"torchtune/{arch}", lambda a=arch: _torchtune(a), _default

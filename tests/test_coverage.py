@@ -234,3 +234,26 @@ def test_audit_pays_only_on_the_first_sampled_forward() -> None:
         model(x())
     assert p.summary().sites == ["layers.0"]
     assert not _get_current_function_mode_stack()
+
+
+class _Twice(nn.Module):
+    """Attention run twice in one forward (diffusers' SlicedAttnProcessor: one call per slice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(o, k, v).transpose(1, 2).reshape(b, n, D)
+
+
+def test_a_module_calling_attention_twice_has_no_phantom_missed_row() -> None:
+    # its first call is reported as `attn` before the second renames it `attn#1`: that row was
+    # listed as NOT captured ("its statistics failed"), and `probe coverage` exited 1
+    torch.manual_seed(0)
+    report = coverage(nn.Sequential(_Twice()), x())
+    assert [r.site for r in report.rows] == ["0#1", "0#2"]
+    assert report.missed == [] and all(r.captured and r.verified for r in report.rows)

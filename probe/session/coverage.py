@@ -197,6 +197,8 @@ def _rows(events: List[Event], summary: Any, backward: bool = True) -> List[Row]
     rows: Dict[str, Row] = {}
     for event in events:
         site = event.reported if event.reported is not None else event.module
+        if site not in summary.sites and f"{site}#1" in summary.sites:
+            site = f"{site}#1"  # a module's first call, named before its second made the name `name#1`
         misnamed = event.reported is not None and event.reported.split("#")[0] != event.module
         if misnamed:
             row = rows.setdefault(event.module, Row(site=event.module, captured=False))
