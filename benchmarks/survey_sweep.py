@@ -150,7 +150,7 @@ def _unet_proc(kind: str) -> Tuple[nn.Module, tuple, dict]:
 
 
 # -- torchtune -------------------------------------------------------------------------------------
-def _torchtune(arch: str) -> Tuple[nn.Module, tuple, dict]:
+def _torchtune(arch: str, mask: bool = False) -> Tuple[nn.Module, tuple, dict]:
     torch.manual_seed(0)
     if arch == "llama3":
         from torchtune.models.llama3 import llama3
@@ -161,7 +161,12 @@ def _torchtune(arch: str) -> Tuple[nn.Module, tuple, dict]:
 
         model = qwen2(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
                       intermediate_dim=64, max_seq_len=32)
-    return model.eval(), (torch.randint(0, VOCAB, (B, L), generator=_gen()),), {}
+    kwargs: Dict[str, Any] = {}
+    if mask:  # two documents packed in entry 0 (a block-causal boolean mask), positions restarting
+        keep = torch.ones(L, L, dtype=torch.bool).tril().expand(B, L, L).clone()
+        keep[0, 5:, :5] = False
+        kwargs = {"mask": keep, "input_pos": torch.cat([torch.arange(5), torch.arange(3)]).expand(B, L)}
+    return model.eval(), (torch.randint(0, VOCAB, (B, L), generator=_gen()),), kwargs
 
 
 # -- open_clip -------------------------------------------------------------------------------------
@@ -316,6 +321,7 @@ def sweep_cases(have: Callable[[str], bool]) -> Iterator[Case]:
     if have("torchtune"):
         for arch in ("llama3", "qwen2"):
             yield f"torchtune/{arch}", lambda a=arch: _torchtune(a), _default
+        yield "torchtune/llama3_packed_mask", lambda: _torchtune("llama3", True), _default
     if have("open_clip"):
         for v in ("default", "custom", "qk_norm", "scale_heads", "attn_pool"):
             yield f"open_clip/{v}", lambda v=v: _open_clip(v), _default
