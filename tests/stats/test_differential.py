@@ -118,12 +118,13 @@ def _close(name: str, got: Tensor, want: Tensor, atol: Tensor, rtol: float) -> N
     assert bool(ok.all()), f"{name}: got {got.tolist()}, float64 {want.tolist()}"
 
 
+@pytest.mark.parametrize("budget", [64 * 2**20, 2**14], ids=["default budget", "16 KiB: chunks and key blocks"])
 @pytest.mark.parametrize("first", range(0, 400, 50))
-def test_random_calls_match_float64(first):
+def test_random_calls_match_float64(first, budget):
     for seed in range(first, first + 50):
         call, scales, valid, grad_out = _draw(seed)
-        got = forward_stats(call, scales, rows=None)
-        grads = grad_logits_stats(call, grad_out, scales)
+        got = forward_stats(call, scales, budget, rows=None)
+        grads = grad_logits_stats(call, grad_out, scales, budget)
         for name, scale in scales.items():
             want = _reference(call, scale, valid, grad_out)
             seen = want["count"] > 0
