@@ -123,8 +123,8 @@ def _close(name: str, got: Tensor, want: Tensor, atol: Tensor, rtol: float) -> N
 def test_random_calls_match_float64(first, budget):
     for seed in range(first, first + 50):
         call, scales, valid, grad_out = _draw(seed)
-        got = forward_stats(call, scales, budget, rows=None)
-        grads = grad_logits_stats(call, grad_out, scales, budget)
+        got = forward_stats(call, scales, budget_bytes=budget, rows=None)
+        grads = grad_logits_stats(call, grad_out, scales, budget_bytes=budget)
         for name, scale in scales.items():
             want = _reference(call, scale, valid, grad_out)
             seen = want["count"] > 0
