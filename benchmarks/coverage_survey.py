@@ -32,6 +32,7 @@ warnings on one forward and backward names it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import sys
@@ -149,14 +150,24 @@ def _expected(rule: Any) -> Callable[[str, int], float]:
     return scale
 
 
-def _hf_inputs(kind: str, config: Any) -> dict:
+def _hf_inputs(kind: str, config: Any, padding: Optional[str] = None) -> dict:
+    """The model's inputs; ``padding`` ``"left"`` or ``"right"``: an ``attention_mask`` whose last
+    batch row has its first or last third padded (text and seq2seq models; left padding gives a
+    causal model query rows that see no key)."""
     g = torch.Generator().manual_seed(1)
-    if kind in ("text", "text16"):
+    if kind in ("text", "text16", "seq2seq"):
         n = 16 if kind == "text16" else L
-        return {"input_ids": torch.randint(3, VOCAB, (B, n), generator=g)}
-    if kind == "seq2seq":
-        return {"input_ids": torch.randint(3, VOCAB, (B, L), generator=g),
-                "decoder_input_ids": torch.randint(3, VOCAB, (B, L), generator=g)}
+        out = {"input_ids": torch.randint(3, VOCAB, (B, n), generator=g)}
+        if kind == "seq2seq":
+            out["decoder_input_ids"] = torch.randint(3, VOCAB, (B, L), generator=g)
+        if padding is not None:
+            mask = torch.ones(B, n, dtype=torch.long)
+            if padding == "left":
+                mask[-1, : n // 3] = 0
+            else:
+                mask[-1, n - n // 3 :] = 0
+            out["attention_mask"] = mask
+        return out
     if kind == "whisper":
         return {"input_features": torch.randn(B, 8, 16, generator=g),
                 "decoder_input_ids": torch.randint(3, VOCAB, (B, L), generator=g)}
@@ -168,13 +179,15 @@ def hf_cases() -> Iterator[Case]:
     import transformers as tr
 
     for name, model_cls, config_cls, kwargs, kind, rule in _HF:
-        for impl in ("eager", "sdpa"):
-            def build(model_cls=model_cls, config_cls=config_cls, kwargs=kwargs, kind=kind, impl=impl):
+        paddings = (None, "left", "right") if kind in ("text", "text16", "seq2seq") else (None,)
+        for impl, padding in itertools.product(("eager", "sdpa"), paddings):
+            def build(model_cls=model_cls, config_cls=config_cls, kwargs=kwargs, kind=kind, impl=impl,
+                      padding=padding):
                 config = getattr(tr, config_cls)(**kwargs, attn_implementation=impl)
                 torch.manual_seed(0)
                 model = getattr(tr, model_cls)(config).eval()
-                return model, (), _hf_inputs(kind, config)
-            yield f"hf/{name}/{impl}", build, _expected(rule)
+                return model, (), _hf_inputs(kind, config, padding)
+            yield f"hf/{name}/{impl}" + ("" if padding is None else f"/{padding}-padded"), build, _expected(rule)
 
 
 # -- third party -------------------------------------------------------------------------------------

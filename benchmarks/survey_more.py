@@ -196,6 +196,16 @@ def _stats(p: Tensor, tau: float = 0.99) -> Tuple[float, float, float, int]:
     return float(ent.sum()), float(top.sum()), float((top >= tau).sum()), int(ok.sum())
 
 
+def _without_masked_rows(logits: Any, probs: Tensor) -> Tensor:
+    """``probs`` with NaN on rows whose every softmax input is masked (``-inf`` or at most half the
+    dtype's most negative value: Hugging Face's eager left-padded query rows, which it spreads
+    uniformly): such a row has no valid key (docs/metrics.md) and ``_stats`` skips it."""
+    if not isinstance(logits, Tensor) or logits.shape != probs.shape or not logits.is_floating_point():
+        return probs
+    masked = (logits <= torch.finfo(logits.dtype).min / 2).all(-1, keepdim=True)
+    return probs.masked_fill(masked, math.nan) if bool(masked.any()) else probs
+
+
 def _sdpa_probs(args: tuple, kwargs: dict, scale_of: Callable[[float, int], Optional[Tuple[float, float]]]
                 ) -> Dict[str, Tensor]:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -254,7 +264,7 @@ class _ValueMode(TorchFunctionMode):
         elif func in (F.softmax, torch.softmax, Tensor.softmax) and isinstance(out, Tensor) and out.dim() >= 3:
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             if dim in (-1, out.dim() - 1) and out.is_floating_point():
-                self._add({"actual": out.detach()})
+                self._add({"actual": _without_masked_rows(args[0], out.detach())})
         return out
 
 
