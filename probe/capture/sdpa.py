@@ -22,6 +22,7 @@ from torch import Tensor
 from probe.experiment import overrides
 from probe.call import AttentionCall
 from probe.capture.frontend import Emit, FrontEnd
+from probe.capture.sites import live_modules
 
 __all__ = ["SDPAFrontEnd", "bind_sdpa", "sdpa_call"]
 
@@ -74,6 +75,41 @@ def rerun_rows(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: 
     return rerun
 
 
+def _packed_groups(q: Tensor, k: Tensor, mask: Any, causal: bool) -> int:
+    """``g`` when the call is Hugging Face's ``pack_gqa`` (transformers' SDPA attention, one query
+    token under grouped-query attention with a mask): ``q`` ``(B, H, 1, d)`` reshaped to
+    ``(B, H/g, g, d)``, so that SDPA runs on the kv heads without repeating k and v. Its "heads"
+    are then the kv heads and its rows the query heads; recorded as is, a site's decoding steps
+    would have ``H/g`` heads where its prompt had ``H``. Known from the running module's
+    ``num_key_value_groups`` (``g``) and its config's ``num_attention_heads``; 0 otherwise."""
+    modules = live_modules()
+    groups = getattr(modules[0], "num_key_value_groups", None) if modules else None
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 2 or causal:
+        return 0
+    if q.shape[1] != k.shape[1] or q.shape[2] != groups:
+        return 0
+    heads = getattr(getattr(modules[0], "config", None), "num_attention_heads", None)
+    if isinstance(heads, int) and heads != q.shape[1] * groups:
+        return 0
+    if isinstance(mask, Tensor) and mask.dim() == 4 and not (mask.shape[2] == 1 or (mask.shape[1], mask.shape[2]) == (q.shape[1], groups)):
+        return 0  # a mask with rows of its own that are not the packed heads
+    return groups
+
+
+def _bound_groups(bound: Dict[str, Any]) -> int:
+    """:func:`_packed_groups` of a bound SDPA call (0 unless q and k are 4-D tensors)."""
+    q, k = bound.get("query"), bound.get("key")
+    if not isinstance(q, Tensor) or not isinstance(k, Tensor) or q.dim() != 4 or k.dim() != 4:
+        return 0
+    return _packed_groups(q, k, bound.get("attn_mask"), bool(bound.get("is_causal", False)))
+
+
+def _unpacker(groups: int) -> Callable[[Tensor], Tensor]:
+    """``(B, H/g, g, n)`` → ``(B, H, 1, n)``: the inverse of ``pack_gqa``'s reshape (head
+    ``h = j·g + r`` is row ``r`` of kv head ``j``)."""
+    return lambda t: t.reshape(t.shape[0], t.shape[1] * groups, 1, t.shape[-1])
+
+
 def sdpa_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Optional[Tensor]) -> Optional[AttentionCall]:
     """Normalize one SDPA call's arguments; ``None`` when it is not a tensor call we understand."""
     b = bind_sdpa(args, kwargs)
@@ -96,6 +132,13 @@ def sdpa_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Optional[Te
     # a 3-D or 5-D layout is recorded as a 4-D view: hooks go on the model's own tensors
     own = {"q": q, "k": k, "v": v, "output": output}
     grad_of = {n: (t, _to_4d) for n, t in own.items() if isinstance(t, Tensor) and t.dim() not in (4,) and t.dim() >= 3}
+    groups = _packed_groups(q4, k4, b.get("attn_mask"), bool(b.get("is_causal", False)))
+    if groups:  # one query token per head, the heads of each kv head packed into its rows: unpacked
+        unpack = _unpacker(groups)
+        q4, out = unpack(q4), unpack(out) if isinstance(out, Tensor) else out
+        mask, bias = (None if m is None else unpack(m) if m.dim() == 4 and m.shape[1] > 1 else m for m in (mask, bias))
+        grad_of.update({n: (t, lambda g, f=grad_of.get(n, (None, _to_4d))[1]: unpack(f(g)))
+                        for n, t in (("q", q), ("output", output)) if isinstance(t, Tensor)})
     causal = bool(b.get("is_causal", False))
     rerun = None
     if float(b.get("dropout_p") or 0.0) > 0.0:  # the output carries dropout: check against a rerun without it
@@ -151,10 +194,13 @@ def _fold_masks(mask: Any, bias: Tensor, causal: bool, q: Tensor, k: Tensor) -> 
     return mask + bias
 
 
-def apply_override(bound: Dict[str, Any], change: overrides.Override) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def apply_override(bound: Dict[str, Any], change: overrides.Override, groups: int = 0
+                   ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """(kwargs to run, kwargs to record) of an SDPA call under ``change``: the run rescales q per
     head or passes the new float ``scale``; the record keeps the original q and the effective
-    scale (a float or a per-head tensor), with the combined mask."""
+    scale (a float or a per-head tensor), with the combined mask. ``groups``: the call packs
+    ``groups`` query heads into each kv head's rows (:func:`_packed_groups`): per-head values go
+    to those rows."""
     q, k = bound["query"], bound["key"]
     own = bound.get("scale")
     own_scale = 1.0 / math.sqrt(q.shape[-1]) if own is None else float(own)
@@ -163,25 +209,27 @@ def apply_override(bound: Dict[str, Any], change: overrides.Override) -> Tuple[D
     if isinstance(new, Tensor):
         reference = change.reference if change.reference is not None else own_scale
         reference = reference if reference != 0 else 1.0
-        run["query"] = q * (new.to(device=q.device, dtype=q.dtype).reshape(-1, 1, 1) / reference)
+        run["query"] = q * (new.to(device=q.device, dtype=q.dtype).reshape(-1, max(1, groups), 1) / reference)
         if reference != own_scale:  # else keep the call's own `scale` (None stays None: same kernel path)
             run["scale"] = reference
         record["scale"] = new.detach()
     elif new is not None:
         run["scale"] = record["scale"] = float(new)
     if change.bias is not None:
-        mask = _fold_masks(bound.get("attn_mask"), change.bias, bool(bound.get("is_causal", False)), q, k)
+        bias = change.bias if not groups else change.bias.reshape(1, q.shape[1], groups, change.bias.shape[-1])
+        mask = _fold_masks(bound.get("attn_mask"), bias, bool(bound.get("is_causal", False)), q, k)
         run["attn_mask"], run["is_causal"] = mask, False
         record["attn_mask"], record["is_causal"] = mask.detach(), False
     return run, record
 
 
-def lookup_sdpa(bound: Dict[str, Any]) -> Optional[overrides.Override]:
-    """:func:`probe.experiment.overrides.lookup` for one bound SDPA call (``None``: not consulted)."""
+def lookup_sdpa(bound: Dict[str, Any], groups: int = 0) -> Optional[overrides.Override]:
+    """:func:`probe.experiment.overrides.lookup` for one bound SDPA call (``None``: not consulted);
+    ``groups``: its query heads packed into rows (:func:`_packed_groups`)."""
     q, k = bound.get("query"), bound.get("key")
     if not isinstance(q, Tensor) or not isinstance(k, Tensor) or q.dim() < 3:
         return None
-    heads = q.shape[-3] if q.dim() >= 4 else 1
+    heads = (q.shape[-3] if q.dim() >= 4 else 1) * max(1, groups)
     return overrides.lookup(heads, q.shape[-1], q, keys=k.shape[-2])
 
 
@@ -200,11 +248,12 @@ class SDPAFrontEnd(FrontEnd):
         emit: Optional[Emit],
     ) -> Any:
         bound = bind_sdpa(args, kwargs)
-        change = lookup_sdpa(bound)
+        groups = _bound_groups(bound)
+        change = lookup_sdpa(bound, groups)
         if change is None:
             output = func(*args, **kwargs)
         else:
-            run, record = apply_override(bound, change) if change.changes else (kwargs, kwargs)
+            run, record = apply_override(bound, change, groups) if change.changes else (kwargs, kwargs)
             with overrides.applying():  # consulted: never applied (or counted) again below
                 output = func(**run) if change.changes else func(*args, **kwargs)
             if change.changes:

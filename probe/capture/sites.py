@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from probe.errors import ProbeError
 
-__all__ = ["SiteStack", "SitesFilter", "WRAPPER_ATTRS", "site_filter", "site_names"]
+__all__ = ["SiteStack", "SitesFilter", "WRAPPER_ATTRS", "live_modules", "site_filter", "site_names"]
 
 #: Which sites to keep: a glob, a list of names or globs, or a predicate on the site name.
 SitesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
@@ -92,6 +92,19 @@ _NAMES: "weakref.WeakKeyDictionary[nn.Module, Tuple[tuple, Dict[int, str]]]" = w
 FUNCTION_MODULES = (nn.Softmax, nn.LogSoftmax, nn.Dropout, nn.Identity)
 
 
+#: Every active :class:`SiteStack` (a probe's capture, a ``probe.scaling`` rule), latest last.
+_LIVE: List["SiteStack"] = []
+
+
+def live_modules() -> List[nn.Module]:
+    """The running modules, innermost first, of the latest active stack whose root runs (a front
+    end reads a module's attributes there, also under ``probe.scaling`` alone)."""
+    for stack in reversed(_LIVE):
+        if stack.root_running:
+            return stack.modules()
+    return []
+
+
 class SiteStack:
     """The running modules of one model, kept by global forward hooks while active.
 
@@ -122,11 +135,16 @@ class SiteStack:
             nn.modules.module.register_module_forward_pre_hook(self._push),
             nn.modules.module.register_module_forward_hook(self._pop, always_call=True),
         ]
+        _LIVE.append(self)
 
     def deactivate(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles, self._stack, self.root_running = [], [], 0
+        for i in range(len(_LIVE) - 1, -1, -1):
+            if _LIVE[i] is self:
+                del _LIVE[i]
+                break
 
     @property
     def active(self) -> bool:

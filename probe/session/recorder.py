@@ -26,6 +26,7 @@ from probe.errors import ProbeError
 from probe.session.empty_steps import EmptySteps
 from probe.session.grad_hooks import AddFields, GradHooks, grad_scales
 from probe.session.options import ExtraScale, scale_value
+from probe.session.site_info import SiteInfo, SiteKey, changed_heads
 from probe.session.verify import Verifier, warn_once_per_site
 from probe.state.accumulator import GRAD_STEPS, Accumulator, State
 from probe.state.writer import Window, to_host
@@ -38,62 +39,9 @@ from probe.stats.sampling import sample_rows
 
 __all__ = ["GradHooks", "Recorder", "SiteInfo", "SiteKey", "grad_scales"]
 
-SiteKey = Tuple[str, int]  # (module name, call index within one invocation)
-
-
 #: The share of ``memory_budget`` that a step's forwards may keep for their backward (the sampled
 #: rows' exponentials, :attr:`probe.stats.plan.CallPlan.carry`), all calls of the step together.
 KEEP_SHARE = 0.5
-
-
-@dataclasses.dataclass
-class SiteInfo:
-    """What is known about one site (reported as ``summary.info(site)``).
-
-    Attributes:
-        kind: the front end that made its records.
-        heads, kv_heads, d_k: its shapes.
-        scale: the actual scale as a float (``None`` when per head or not recovered).
-        calls: how many calls were recorded.
-        softcap: the logit soft cap, when the site has one.
-        rows: a note when query rows were sampled (``rows=``).
-        sampled: ``[rows, length]`` of the longest sampled call: its exponential metrics are
-            estimates from ``rows`` of ``length`` query rows (``None``: every call exact).
-        grad_kv_heads: values of ``grad_k``/``grad_v`` (kv heads), once a backward was seen.
-        scale_from: where the scale came from (a call's ``scale=``, SDPA's default, a factor on q
-            or k before the product: see ``AttentionCall.scale_from``).
-        scale_unknown: why the scale could not be attributed (``AttentionCall.scale_unknown``):
-            the site is measured at ``actual`` only and ``scale`` is ``None``.
-        qk_clip: what QK-Clip scales at this site, or why it refuses it (``qk_clip=``).
-    """
-
-    kind: str
-    heads: int
-    kv_heads: int
-    d_k: int
-    scale: Optional[float] = None
-    calls: int = 0
-    softcap: Optional[float] = None
-    rows: Optional[str] = None
-    sampled: Optional[List[int]] = None
-    grad_kv_heads: Optional[int] = None
-    scale_from: Optional[str] = None
-    scale_unknown: Optional[str] = None
-    qk_clip: Optional[str] = None
-    verified: Optional[bool] = None
-    verification: Optional[str] = None
-
-    def to_dict(self) -> Dict[str, Any]:
-        """The JSON form (optional fields only when set)."""
-        out: Dict[str, Any] = {"kind": self.kind, "heads": self.heads, "kv_heads": self.kv_heads,
-                               "d_k": self.d_k, "scale": self.scale, "calls": self.calls}
-        for name in ("softcap", "rows", "sampled", "grad_kv_heads", "scale_from", "scale_unknown", "qk_clip"):
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
-        if self.verification is not None:
-            out["verified"], out["verification"] = self.verified, self.verification
-        return out
 
 
 class Recorder:
@@ -189,6 +137,10 @@ class Recorder:
             if index > 0:
                 self.multi.add(name)
         call = dataclasses.replace(call, site=self.site_name((name, index)))
+        changed = changed_heads(self.infos.get((name, index)), call, self.grads and torch.is_grad_enabled())
+        if changed is not None:
+            self._warn_failed(call.site, changed)
+            return
         if self.max_logit_only:
             self._max_logit_only((name, index), call)
             return
