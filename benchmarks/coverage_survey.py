@@ -175,8 +175,35 @@ def _hf_inputs(kind: str, config: Any, padding: Optional[str] = None) -> dict:
     return {"pixel_values": torch.randn(B, 3, size, size, generator=g)}
 
 
+class _Generate(nn.Module):
+    """``model.generate`` as one forward (a prompt and two decoding steps: KV cache, one query
+    token per step; grouped-query models pack their heads then, transformers' ``pack_gqa``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=3,
+                                   do_sample=False, pad_token_id=0)
+
+
+#: Causal LMs also surveyed through ``generate`` on a left-padded batch.
+_GENERATE = ("gpt2", "llama", "mistral", "qwen2", "gemma", "phi3", "falcon", "opt")
+
+
 def hf_cases() -> Iterator[Case]:
     import transformers as tr
+
+    for name, model_cls, config_cls, kwargs, kind, rule in _HF:
+        if name not in _GENERATE:
+            continue
+        for impl in ("eager", "sdpa"):
+            def build_generate(model_cls=model_cls, config_cls=config_cls, kwargs=kwargs, kind=kind, impl=impl):
+                config = getattr(tr, config_cls)(**kwargs, attn_implementation=impl)
+                torch.manual_seed(0)
+                return _Generate(getattr(tr, model_cls)(config).eval()), (), _hf_inputs(kind, config, "left")
+            yield f"hf/{name}/{impl}/generate", build_generate, _expected(rule)
 
     for name, model_cls, config_cls, kwargs, kind, rule in _HF:
         paddings = (None, "left", "right") if kind in ("text", "text16", "seq2seq") else (None,)
