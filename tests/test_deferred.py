@@ -3,6 +3,8 @@ same values as finished at each call, failures named, QK-Clip's calls finished a
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -97,3 +99,31 @@ def test_deferred_calls_hold_their_rows_not_the_models_tensors():
         gc.collect()
     assert seen and max(seen) >= 2  # calls were deferred while the forward ran
     assert all(ref() is None for ref in kv)  # each layer's k, v projection was freed
+
+
+def test_fields_a_site_cannot_take_are_named_and_the_forward_goes_on(monkeypatch):
+    # the merge raising inside the forward's end (a call whose fields do not fit its site's state)
+    # reached the model's caller; now the call is named and the site keeps what it had
+    import probe.state.accumulator as accumulator
+
+    real = accumulator.merge_states
+    seen = []
+
+    def merge(into, new):
+        seen.append(1)
+        if len(seen) == 3:  # the second step's first call: its site already has a state
+            raise RuntimeError("fields of another shape")
+        real(into, new)
+
+    monkeypatch.setattr(accumulator, "merge_states", merge)
+    torch.manual_seed(0)
+    model, x = SDPAModel(layers=2, d_model=16, heads=2), torch.randn(2, 5, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.watch(model, grads=False, flush_every=10) as p:
+            model(x)
+            model(x)  # its first call's fields cannot join: named, not raised
+        s = p.summary()
+    said = [str(w.message) for w in caught if "NOT measured" in str(w.message)]
+    assert len(said) == 1 and "'layers.0'" in said[0] and "fields of another shape" in said[0], said
+    assert s.sites == ["layers.0", "layers.1"]

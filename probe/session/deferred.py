@@ -25,7 +25,7 @@ from probe.stats.forward import finish_fields
 from probe.stats.plan import CallPlan
 from probe.stats.rows import Rows
 
-__all__ = ["Deferred", "scale_field"]
+__all__ = ["Deferred", "add_or_name", "scale_field"]
 
 
 def scale_field(scale: Tensor, heads: int, rows: Tensor) -> Tensor:
@@ -74,9 +74,20 @@ class Deferred:
                             f"failed ({type(err).__name__}: {err}); please report the model (probe.coverage(model, "
                             "...) lists the site)")
             return
-        for (key, _, scale, heads, _, _), out in zip(items, fields):
+        for (key, site, scale, heads, _, _), out in zip(items, fields):
             if not out:
                 continue
             if scale is not None:
                 out["scale"] = scale_field(scale, heads, out["rows"])
-            self.acc.add(key, out)
+            add_or_name(self.acc, key, out, site, self.failed)
+
+
+def add_or_name(acc: Accumulator, key: Any, fields: Dict[str, Tensor], site: str,
+                failed: Callable[[str, str], None]) -> None:
+    """``acc.add(key, fields)``, or, when the site's state cannot take them, the call named NOT
+    measured (``failed(site, message)``): inside the model's forward nothing of probe raises."""
+    try:
+        acc.add(key, fields)
+    except Exception as err:  # noqa: BLE001 - a record probe cannot measure is named, never fatal
+        failed(site, f"probe: the attention at site {site!r} is NOT measured: its statistics could not join the "
+               f"site's ({type(err).__name__}: {err}); please report the model")

@@ -30,7 +30,7 @@ from probe.session.site_info import SiteInfo, SiteKey, changed_heads
 from probe.session.verify import Verifier, warn_once_per_site
 from probe.state.accumulator import GRAD_STEPS, Accumulator, State
 from probe.state.writer import Window, to_host
-from probe.session.deferred import Deferred, scale_field
+from probe.session.deferred import Deferred, add_or_name, scale_field
 from probe.stats.forward import finish_fields, forward_rows
 from probe.stats.masks import simplify
 from probe.stats.max_logit import max_logit
@@ -176,7 +176,7 @@ class Recorder:
         with self.lock:
             if fields is not None:
                 self.deferred.finish()  # earlier calls first: the state merges in the calls' order
-                self.acc.add(key, fields)
+                add_or_name(self.acc, key, fields, call.site or "", self._warn_failed)
             self._update_info(key, call)
         if self.on_logit_max is not None:
             top = fields.get("logit_max@actual") if call.scale is not None and scales else None

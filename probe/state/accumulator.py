@@ -42,7 +42,11 @@ class Accumulator:
         return bool(self.states)
 
     def add(self, key: Hashable, fields: State) -> None:
-        merge_states(self.states.setdefault(key, {}), fields)
+        """Fold ``fields`` into ``key``'s state, all or nothing: a field that cannot be combined
+        (another shape) raises and leaves the state as it was."""
+        merged = dict(self.states.get(key, {}))
+        merge_states(merged, fields)
+        self.states[key] = merged
 
     def pack(self) -> Tuple[Tensor, Entries]:
         """Flatten every field of every site into one tensor (the one device→host transfer)."""
