@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from probe.capture import ops as K
 from probe.capture.eager_scores import grad_map, head_mix, heads_of, number, permuted, unfold, windowed
 from probe.capture.records import Derived, Moved, Operand, Probs, Scores
-from probe.capture.rules import Op, rule, unknown
+from probe.capture.rules import Op, default, rule, unknown
 
 __all__ = ["einsum_pair", "pv_roles", "qk_roles", "start"]
 
@@ -158,6 +158,26 @@ def pv_product(tracer: Any, op: Op) -> None:
     if isinstance(probs, Probs) and isinstance(b, Tensor) and isinstance(op.out, Tensor) \
             and a.dim() == b.dim() == op.out.dim() >= 3:
         _fire_pv(tracer, probs, b, op.out, op.rec(b))
+
+
+@rule(K.PRODUCT, Moved)
+def pv_transposed(tracer: Any, op: Op) -> None:
+    """``v @ P.transpose(-2, -1)`` (channels-first v, ``(..., d, S)``: timm's ``Attention2d`` in
+    CoAtNet / MaxViT, SHViT): ``(P @ vᵀ)ᵀ``, the call complete with ``v = vᵀ``, output transposed.
+    Any other product of permuted scores or probabilities: the default (``Derived``)."""
+    a, b = op.arg(0, "input"), op.arg(1, "other", op.kwargs.get("mat2"))
+    if getattr(op.func, "__name__", "") == "__rmatmul__":
+        a, b = b, a
+    moved = op.rec(b)
+    n = op.out.dim() if isinstance(op.out, Tensor) else 0
+    if (isinstance(moved, Moved) and isinstance(moved.of, Probs) and isinstance(a, Tensor) and n >= 3
+            and a.dim() == b.dim() == n and moved.perm == (*range(n - 2), n - 1, n - 2)):
+        probs, t = moved.of, (lambda g: g.transpose(-1, -2))
+        v = heads_of(t(a), probs.merged)
+        pre = (lambda g, m=probs.merged: heads_of(t(g), m)) if probs.merged is not None else t
+        probs.fire(v, heads_of(t(op.out), probs.merged), grad_map(a, v, pre=pre))
+        return
+    default(tracer, op)
 
 
 @rule(K.PRODUCT, None, Operand)
@@ -400,3 +420,10 @@ def projection(tracer: Any, op: Op) -> None:
 @rule(K.LINEAR, Scores, Derived)
 def key_contraction(tracer: Any, op: Op) -> None:
     """``F.linear`` over the keys of the scores (an output layer): not scores any more (no record)."""
+
+
+@rule(K.CONV, Derived)
+def conv_of_derived(tracer: Any, op: Op) -> None:
+    """A convolution of a tensor derived from scores (a 1x1 ``Conv2d`` output projection after a
+    ``P·v`` the rules did not describe: timm's CoAtNet, SHViT): new features, as ``F.linear``
+    (:func:`key_contraction`), so the next block's q·kᵀ starts scores again (no record)."""
