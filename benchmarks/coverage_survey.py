@@ -375,6 +375,7 @@ def _xt(kw: Dict[str, Any]) -> Tuple[nn.Module, tuple, dict]:
 
 # -- timm ----------------------------------------------------------------------------------------------
 #: real timm models (name, create_model kwargs): small inputs where the model takes ``img_size``
+_T: Dict[str, Any] = dict(img_size=64, depth=2, embed_dim=64, num_heads=2)
 _TIMM: List[Tuple[str, Dict[str, Any]]] = [
     ("vit_tiny_patch16_224", dict(img_size=64)), ("swin_tiny_patch4_window7_224", {}), ("convit_tiny", dict(img_size=64)),
     ("cait_xxs24_224", dict(img_size=64, depth=4)), ("levit_128s", dict(img_size=64)), ("twins_svt_small", {}),
@@ -382,6 +383,23 @@ _TIMM: List[Tuple[str, Dict[str, Any]]] = [
     dict(img_size=64, depth=2)), ("eva02_tiny_patch14_224", dict(img_size=56)), ("nest_tiny", dict(img_size=64)),
     ("gcvit_xxtiny", {}), ("volo_d1_224", dict(img_size=64)), ("mvitv2_tiny", {}), ("coat_tiny", dict(img_size=64)),
     ("crossvit_tiny_240", {}), ("efficientformer_l1", {}), ("tnt_s_patch16_224", dict(img_size=64)),
+    # the real-timm sweep: tiny where the constructor allows (_T: a 2-block ViT of width 64, 2 heads)
+    ("deit3_small_patch16_224", _T), ("vit_small_patch16_224", dict(_T, qk_norm=True)),
+    ("vit_little_patch16_reg4_gap_256", _T), ("vit_tiny_patch16_224", dict(_T, dynamic_img_size=True)),
+    ("vit_base_patch16_siglip_224", _T), ("vit_base_patch16_rope_224", _T), ("vit_relpos_small_patch16_224", _T),
+    ("vit_srelpos_small_patch16_224", _T), ("vit_small_patch16_dinov3_qkvb", dict(img_size=64, depth=2)),
+    ("flexivit_small", _T), ("beitv2_base_patch16_224", _T), ("eva02_small_patch14_224", dict(img_size=56, depth=2)),
+    ("aimv2_large_patch14_224", dict(_T, img_size=56)), ("vit_pe_core_tiny_patch16_384", dict(img_size=64, depth=2)),
+    ("naflexvit_base_patch16_gap", dict(depth=2, embed_dim=64, num_heads=2)),
+    ("swinv2_tiny_window8_256", dict(img_size=64)), ("swinv2_cr_tiny_ns_224", dict(img_size=64)),
+    ("maxvit_nano_rw_256", dict(img_size=64)), ("maxvit_rmlp_nano_rw_256", dict(img_size=64)),
+    ("maxvit_tiny_tf_224", dict(img_size=64)), ("coatnet_nano_rw_224", dict(img_size=64)),
+    ("coatnet_0_224", dict(img_size=64)), ("pit_ti_224", dict(img_size=64)), ("twins_pcpvt_small", dict(img_size=64)),
+    ("pvt_v2_b2_li", {}), ("efficientformerv2_s0", dict(img_size=64)), ("fastvit_sa12", {}), ("fastvit_mci0", {}),
+    ("hiera_tiny_224", dict(img_size=(64, 64))), ("vitamin_small_224", dict(img_size=64)), ("tiny_vit_5m_224", {}),
+    ("davit_tiny", {}), ("mobilevit_xxs", {}), ("mobilevitv2_050", {}), ("edgenext_xx_small", {}), ("halonet26t", {}),
+    ("botnet26t_256", dict(img_size=64)), ("lambda_resnet26t", {}), ("shvit_s1", {}), ("nextvit_small", {}),
+    ("visformer_tiny", {}), ("swiftformer_xs", {}), ("csatv2", {}),
 ]
 
 
@@ -396,7 +414,10 @@ def timm_cases() -> Iterator[Case]:
                 for m in model.modules():
                     if hasattr(m, "fused_attn"):
                         m.fused_attn = fused
-                size = (3, kw["img_size"], kw["img_size"]) if "img_size" in kw else model.default_cfg["input_size"]
+                size = model.default_cfg["input_size"]
+                if "img_size" in kw:
+                    s = kw["img_size"]
+                    size = (3, *s) if isinstance(s, tuple) else (3, s, s)
                 x = torch.randn(1, *size, generator=torch.Generator().manual_seed(1))
                 return model, (x,), {}
             yield f"timm/{name}/{'fused' if fused else 'eager'}", build, None
