@@ -204,6 +204,15 @@ def _stats(p: Tensor, tau: float = 0.99, valid: Optional[Tensor] = None) -> Tupl
     return float(ent.sum()), float(top.sum()), float((top >= tau).sum()), int(ok.sum())
 
 
+def _unmasked_inputs(logits: Any) -> Any:
+    """The keys of a softmax input that no mask fill removes (above half the dtype's most
+    negative value: docs/metrics.md): a score itself may be below -1e4 (Visformer's reach -6e4
+    at random init), so only a fill marks a key masked here."""
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        return None
+    return logits.detach() > torch.finfo(logits.dtype).min / 2
+
+
 def _without_masked_rows(logits: Any, probs: Tensor) -> Tensor:
     """``probs`` with NaN on rows whose every softmax input is masked (``-inf`` or at most half the
     dtype's most negative value: Hugging Face's eager left-padded query rows, which it spreads
@@ -257,7 +266,8 @@ class _ValueMode(TorchFunctionMode):
         entry = self.found.setdefault((name, index), {})
         for scale, p in probs.items():
             sums = entry.setdefault(scale, [0.0, 0.0, 0.0, 0])
-            for i, v in enumerate(_stats(p[0], valid=p[1]) if isinstance(p, tuple) else _stats(p)):
+            for i, v in enumerate(_stats(p[0], valid=p[1]) if isinstance(p, tuple) and p[1] is not None
+                                  else _stats(p[0] if isinstance(p, tuple) else p)):
                 sums[i] += v
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -274,7 +284,7 @@ class _ValueMode(TorchFunctionMode):
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             if dim in (-1, out.dim() - 1) and out.is_floating_point():
                 self._add({"actual": _without_masked_rows(args[0], out.detach()),
-                           "actual~": (out.detach(), args[0].detach() > _UNMASKED)})
+                           "actual~": (out.detach(), _unmasked_inputs(args[0]))})
         return out
 
 
@@ -309,7 +319,10 @@ def values(model: nn.Module, args: tuple, kwargs: dict,
     handles = [nn.modules.module.register_module_forward_pre_hook(push),
                nn.modules.module.register_module_forward_hook(pop, always_call=True)]
     try:
-        with torch.no_grad(), _ValueMode(stack, found, counters, scale_of):
+        # grad on, as the watched forward it is compared with runs (coverage_survey._watch_warnings):
+        # SDPA may take another kernel without it, and a model whose logits reach 1e4 (Visformer at
+        # random init) carries that rounding into its next layers' near one-hot softmax
+        with torch.enable_grad(), _ValueMode(stack, found, counters, scale_of):
             model(*args, **kwargs)
     finally:
         for h in handles:
@@ -325,7 +338,11 @@ def values(model: nn.Module, args: tuple, kwargs: dict,
 def compare(summary: Any, oracle: Dict[str, Dict[str, Tuple[float, float, float]]], rtol: float = 1e-4
             ) -> Dict[str, List[str]]:
     """site -> what differs between probe's summary and the model's own computation (head means
-    of entropy, max_prob, saturation at each scale the oracle has), beyond ``rtol`` relative."""
+    of entropy, max_prob, saturation at each scale the oracle has), beyond ``rtol`` relative or
+    ``rtol·1e-2`` absolute: a near one-hot softmax of logits in the tens of thousands (Visformer at
+    random init) has an entropy near 5e-4 that float32 logits round by about 1e-3 of itself: there
+    the model's own float32 softmax is 3.9e-4 of it from a float64 computation, probe 5.3e-4, and
+    the two 8.7e-4 apart."""
     problems: Dict[str, List[str]] = {}
     for site, by_scale in oracle.items():
         if site not in summary.sites:
@@ -340,6 +357,6 @@ def compare(summary: Any, oracle: Dict[str, Dict[str, Tuple[float, float, float]
                     continue
                 got = float(summary.value(site, metric, scale).mean())
                 wants = (want,) if alt is None else (want, alt[i])
-                if not any(abs(got - w) <= rtol * max(abs(w), 1e-3) for w in wants):
+                if not any(abs(got - w) <= rtol * max(abs(w), 1e-2) for w in wants):
                     problems.setdefault(site, []).append(f"{metric}@{scale} {got:.6g} != model's {want:.6g}")
     return problems
