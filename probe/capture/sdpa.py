@@ -89,9 +89,10 @@ def _packed_groups(q: Tensor, k: Tensor, mask: Any, causal: bool) -> int:
     if q.shape[1] != k.shape[1] or q.shape[2] != groups:
         return 0
     heads = getattr(getattr(modules[0], "config", None), "num_attention_heads", None)
-    if isinstance(heads, int) and heads != q.shape[1] * groups:
+    if not isinstance(heads, int) or heads != q.shape[1] * groups:  # (g rows of a call that is not packed: as they are)
         return 0
-    if isinstance(mask, Tensor) and mask.dim() == 4 and not (mask.shape[2] == 1 or (mask.shape[1], mask.shape[2]) == (q.shape[1], groups)):
+    rows_of_its_own = isinstance(mask, Tensor) and mask.dim() == 4 and mask.shape[2] != 1
+    if rows_of_its_own and (mask.shape[1], mask.shape[2]) != (q.shape[1], groups):
         return 0  # a mask with rows of its own that are not the packed heads
     return groups
 
