@@ -26,7 +26,7 @@ from probe.errors import ProbeError
 from probe.session.empty_steps import EmptySteps
 from probe.session.grad_hooks import AddFields, GradHooks, grad_scales
 from probe.session.options import ExtraScale, scale_value
-from probe.session.site_info import SiteInfo, SiteKey, changed_heads
+from probe.session.site_info import SiteInfo, SiteKey, changed_heads, kv_fields_that_differ
 from probe.session.verify import Verifier, warn_once_per_site
 from probe.state.accumulator import GRAD_STEPS, Accumulator, State
 from probe.state.writer import Window, to_host
@@ -137,7 +137,7 @@ class Recorder:
             if index > 0:
                 self.multi.add(name)
         call = dataclasses.replace(call, site=self.site_name((name, index)))
-        changed = changed_heads(self.infos.get((name, index)), call, self.grads and torch.is_grad_enabled())
+        changed = changed_heads(self.infos.get((name, index)), call)
         if changed is not None:
             self._warn_failed(call.site, changed)
             return
@@ -305,8 +305,15 @@ class Recorder:
                 self._grad_step[key] = step
                 ref = next(iter(fields.values()))
                 fields = {**fields, GRAD_STEPS: torch.ones(1, dtype=ref.dtype, device=ref.device)}
-            self.acc.add(key, fields)
             info = self.infos.get(key)  # type: ignore[arg-type]
+            differ = kv_fields_that_differ(info, fields)
+            if differ:  # k repeated to the query heads on this call only: those cannot join
+                fields = {name: value for name, value in fields.items() if name not in differ}
+                site = self.site_name(key)  # type: ignore[arg-type]
+                self._warn_failed(site, f"probe: grad_k and grad_v of the calls at site {site!r} whose k has another "
+                                  f"number of heads than its first call's ({info.kv_heads}) are NOT measured (k and v "
+                                  "repeated to the query heads on some calls only); every other metric is")
+            self.acc.add(key, fields)
             if info is not None:
                 info.grad_kv_heads = info.kv_heads  # grad_k / grad_v have one value per kv head
 

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from probe.call import AttentionCall
 
-__all__ = ["SiteInfo", "SiteKey", "changed_heads"]
+__all__ = ["SiteInfo", "SiteKey", "changed_heads", "kv_fields_that_differ"]
 
 SiteKey = Tuple[str, int]  # (module name, call index within one invocation)
 
@@ -62,14 +62,23 @@ class SiteInfo:
         return out
 
 
-def changed_heads(info: Optional[SiteInfo], call: AttentionCall, grads: bool) -> Optional[str]:
+def changed_heads(info: Optional[SiteInfo], call: AttentionCall) -> Optional[str]:
     """Why ``call`` cannot be measured with its site's earlier calls (``None``: it can): its
-    statistics are per head, and one site's state cannot mix head counts (the merge would
-    raise, inside the model's forward or in ``summary()``); with gradients (``grads``) the same
-    for the kv heads ``grad_k`` and ``grad_v`` are counted in."""
-    if info is None or (call.heads == info.heads and (not grads or call.kv_heads == info.kv_heads)):
+    statistics are per query head, and one site's state cannot mix head counts (the merge would
+    raise, inside the model's forward or in ``summary()``). Another number of kv heads is fine
+    here (transformers repeats k for a masked grouped-query call, not for an unmasked one): only
+    ``grad_k`` and ``grad_v`` are per kv head (:func:`kv_fields_that_differ`)."""
+    if info is None or call.heads == info.heads:
         return None
-    what = f"{call.heads} heads" + (f" ({call.kv_heads} kv heads)" if grads else "")
-    was = f"{info.heads}" + (f" ({info.kv_heads})" if grads else "")
-    return (f"probe: a call at site {call.site!r} has {what} where its earlier calls had {was}: it is NOT "
-            "measured (one site's per-head statistics cannot mix head counts); please report the model")
+    return (f"probe: a call at site {call.site!r} has {call.heads} heads where its earlier calls had {info.heads}: "
+            "it is NOT measured (one site's per-head statistics cannot mix head counts); please report the model")
+
+
+def kv_fields_that_differ(info: Optional[SiteInfo], fields: Dict[str, Any]) -> List[str]:
+    """The per-kv-head gradient fields (``grad_k_sq``, ``grad_v_sq``) of one call whose length is
+    not its site's kv heads (a grouped-query site whose k is repeated to the query heads on some
+    calls only): they cannot join the site's state."""
+    if info is None:
+        return []
+    return [name for name in ("grad_k_sq", "grad_v_sq") if name in fields
+            and tuple(fields[name].shape) != (info.kv_heads,)]

@@ -113,9 +113,32 @@ class Varying(nn.Module):
 def test_a_site_whose_head_count_changes_is_named_and_never_raises(every_step):
     model = Varying()
     gen = torch.Generator().manual_seed(0)
-    with pytest.warns(UserWarning, match=r"has 2 heads .*where its earlier calls had 4 .*: it is NOT measured"):
+    with pytest.warns(UserWarning, match="has 2 heads where its earlier calls had 4: it is NOT measured"):
         with probe.watch(model, every=1, flush_every=1 if every_step else 100) as p:
             model(torch.randn(1, 4, 5, 8, generator=gen, requires_grad=True)).sum().backward()
             model(torch.randn(1, 2, 5, 8, generator=gen, requires_grad=True)).sum().backward()
         s = p.summary()
     assert s.info("root")["heads"] == 4 and len(s.value("root", "entropy")) == 4
+
+
+def test_grouped_query_calls_with_and_without_repeated_keys_share_their_site():
+    # transformers repeats k and v to the query heads for a masked grouped-query call and passes
+    # the kv heads (enable_gqa) for an unmasked one: the site's second call was dropped whole
+    tr = pytest.importorskip("transformers")
+    config = tr.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = tr.LlamaForCausalLM(config)
+    ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    padded = torch.ones(2, 6, dtype=torch.long)
+    padded[0, :2] = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.watch(model, every=1) as p:
+            for mask in (padded, torch.ones(2, 6, dtype=torch.long)):
+                model(input_ids=ids, attention_mask=mask).logits.square().mean().backward()
+        s = p.summary()
+    site = "model.layers.0.self_attn"
+    assert s.info(site)["calls"] == 2 and len(s.value(site, "entropy")) == 4 and len(s.value(site, "grad_q")) == 4
+    said = [str(w.message) for w in caught if "NOT measured" in str(w.message)]
+    assert len(said) == 1 and "grad_k and grad_v of the calls" in said[0], said  # the second call's only
