@@ -86,6 +86,13 @@ class ProbeCallback(SessionCallback, TrainerCallback):
         # now belong to step global_step + 1, the number train/loss is logged with.
         self._session.begin_step(state.global_step + 1)
 
+    def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        # A micro-batch of gradient accumulation ended (not the last): one window per micro-batch,
+        # as under Lightning, so each forward is one forward (qk_clip follows one at a time).
+        self._session.end_step(done=False)
+        self._session.begin_step(state.global_step + 1)
+
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:
         if self._session.end_step(done=True, agree=_agree_with_rank_zero):

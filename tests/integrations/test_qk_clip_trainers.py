@@ -54,6 +54,30 @@ def test_hugging_face_trainer(tmp_path):
     assert _layer0_max(model, ids.split(2), call) <= tau * (1 + 1e-5)
 
 
+
+def test_hugging_face_trainer_with_gradient_accumulation_clips(tmp_path, recwarn):
+    """Two micro-batches a step: each forward is traced alone (one window per micro-batch), not
+    taken for one forward using every projection twice ("weights shared across layers")."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from probe.integrations.huggingface import ProbeCallback
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager"))
+    ids = torch.randint(0, 64, (8, 6), generator=torch.Generator().manual_seed(1))
+    cb = ProbeCallback(every=1, qk_clip=100.0)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=2, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+                             seed=0, dataloader_num_workers=0)
+    Trainer(model=model, args=args, train_dataset=[{"input_ids": i, "labels": i} for i in ids], callbacks=[cb]).train()
+    summary = cb.probe.summary()
+    site = "model.layers.0.self_attn"
+    assert summary.info(site)["qk_clip"].startswith("q: model.layers.0.self_attn.q_proj.weight rows")
+    assert not [w for w in recwarn if "qk_clip does not clip" in str(w.message)]
+    assert summary.steps == 2 and summary.info(site)["calls"] == 4  # both micro-batches of both steps
+
 def test_lightning_trainer(tmp_path):
     try:
         import lightning.pytorch as pl
