@@ -404,3 +404,27 @@ def test_tensorboard_has_what_the_clip_did_per_head_and_over_heads(tmp_path):
     assert read("qk_clip_logit") == pytest.approx(float(s.max()), rel=1e-5)
     assert read("qk_clip_factor") == pytest.approx(float(factor.min()), rel=1e-5)
     assert read("qk_clip_steps") == float((s > tau).sum())
+
+
+def test_a_run_ending_on_an_unsampled_step_counts_only_its_sampled_steps():
+    # close() hands out the clip records of the unsampled steps since the last flush on their own:
+    # that window covers no probed step (it counted one: 3 steps where 0 and 2 were sampled)
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            heads = [t.view(2, 6, 2, 8).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x))]
+            return F.scaled_dot_product_attention(*heads).sum()
+
+    for clip in (None, 100.0):
+        torch.manual_seed(0)
+        model, x = Tiny(), torch.randn(2, 6, 16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with probe.watch(model, every=2, qk_clip=clip) as p:
+            for _ in range(4):  # steps 0 and 2 sampled, 3 the last
+                model(x).backward()
+                opt.step()
+                opt.zero_grad()
+        assert p.summary().steps == 2, clip
