@@ -111,8 +111,10 @@ def _unpacker(groups: int) -> Callable[[Tensor], Tensor]:
     return lambda t: t.reshape(t.shape[0], t.shape[1] * groups, 1, t.shape[-1])
 
 
-def sdpa_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Optional[Tensor]) -> Optional[AttentionCall]:
-    """Normalize one SDPA call's arguments; ``None`` when it is not a tensor call we understand."""
+def sdpa_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Optional[Tensor],
+              groups: Optional[int] = None) -> Optional[AttentionCall]:
+    """Normalize one SDPA call's arguments; ``None`` when it is not a tensor call we understand.
+    ``groups``: :func:`_packed_groups` of the call when the caller knows it (``None``: found here)."""
     b = bind_sdpa(args, kwargs)
     q, k, v = b.get("query"), b.get("key"), b.get("value")
     if not all(isinstance(t, Tensor) for t in (q, k, v)) or q.dim() < 3:
@@ -133,7 +135,8 @@ def sdpa_call(args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Optional[Te
     # a 3-D or 5-D layout is recorded as a 4-D view: hooks go on the model's own tensors
     own = {"q": q, "k": k, "v": v, "output": output}
     grad_of = {n: (t, _to_4d) for n, t in own.items() if isinstance(t, Tensor) and t.dim() not in (4,) and t.dim() >= 3}
-    groups = _packed_groups(q4, k4, b.get("attn_mask"), bool(b.get("is_causal", False)))
+    if groups is None:
+        groups = _packed_groups(q4, k4, b.get("attn_mask"), bool(b.get("is_causal", False)))
     if groups:  # one query token per head, the heads of each kv head packed into its rows: unpacked
         unpack = _unpacker(groups)
         q4, out = unpack(q4), unpack(out) if isinstance(out, Tensor) else out
@@ -260,7 +263,7 @@ class SDPAFrontEnd(FrontEnd):
             if change.changes:
                 args, kwargs = (), record
         if emit is not None:
-            call = sdpa_call(args, kwargs, output)
+            call = sdpa_call(args, kwargs, output, groups)  # (an override's record packs as the call did)
             if call is not None and self.prescaled is not None and change is None:
                 call = traced(call, bound, self.prescaled)
             if call is not None:

@@ -387,8 +387,8 @@ class Recorder:
             names = {key: self.site_name(key) for key in dict.fromkeys(key for key, _, _ in layout)}  # once per site
         # (no sampled step: QK-Clip's records of the unsampled steps since the last flush, which a
         # close() hands out on their own; they cover no probed step)
-        clip_only = all(field.startswith("qk_clip_") for _, field, _ in layout)
-        return Window(step, steps if steps or clip_only else [step], flat, event, layout, names, infos)
+        clip_only = not steps and all(field.startswith("qk_clip_") for _, field, _ in layout)
+        return Window(step, [] if clip_only else steps or [step], flat, event, layout, names, infos)
 
     def not_measured(self, key: SiteKey, info: SiteInfo) -> Dict[str, str]:
         """Values the site does not report, and why: ``{"metric": why}`` (at every scale),
