@@ -21,7 +21,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from probe.capture.frontend import FUSED_TYPES, HELD, Emit, FrontEnd, settled
-from probe.capture.sites import SiteStack, SitesFilter, WRAPPER_ATTRS, site_filter, site_names
+from probe.capture.sites import SiteStack, SitesFilter, WRAPPER_ATTRS, live_stacks, site_filter, site_names
 from probe.experiment.overrides import is_applying
 
 __all__ = [  # the site names are re-exported from probe.capture.sites
@@ -47,19 +47,27 @@ def reserve_site() -> Optional[Any]:
     return None if reserve is None else reserve()
 
 
-#: The module stacks of the active captures, innermost capture last (see :func:`running_modules`).
-_ACTIVE_STACKS: List["ModuleStack"] = []
+def _capture_stack() -> Optional["ModuleStack"]:
+    """The innermost active capture's module stack: the latest :class:`ModuleStack` among the
+    active site stacks (:func:`probe.capture.sites.live_stacks`, the one registry of running
+    stacks; ``probe.scaling``'s stacks are plain :class:`SiteStack` s)."""
+    for stack in reversed(live_stacks()):
+        if isinstance(stack, ModuleStack):
+            return stack
+    return None
 
 
 def running_modules() -> List[nn.Module]:
     """The running modules of the innermost active capture's model, innermost first (a front end
     reads a module's declared head count there)."""
-    return _ACTIVE_STACKS[-1].modules() if _ACTIVE_STACKS else []
+    stack = _capture_stack()
+    return stack.modules() if stack is not None else []
 
 
 def running_site() -> Optional[str]:
     """The site name of the innermost running module of the innermost active capture."""
-    return _ACTIVE_STACKS[-1].running() if _ACTIVE_STACKS else None
+    stack = _capture_stack()
+    return stack.running() if stack is not None else None
 
 
 def in_front_end() -> bool:
@@ -76,17 +84,12 @@ class ModuleStack(SiteStack):
         super().__init__(root)
         self._suspended: Optional[Tuple[int, "CaptureMode", List[Any]]] = None  # (module id, popped modes)
 
-    def activate(self, inside_root: bool = True) -> None:
+    def activate(self, inside_root: bool = True) -> None:  # a capture activates inside its root's forward
         super().activate(inside_root)
-        _ACTIVE_STACKS.append(self)
 
     def deactivate(self) -> None:
         super().deactivate()
         self._suspended = None
-        for i in range(len(_ACTIVE_STACKS) - 1, -1, -1):
-            if _ACTIVE_STACKS[i] is self:
-                del _ACTIVE_STACKS[i]
-                break
 
     def _entering(self) -> None:
         if self._stack and HELD[0]:  # (a front end may hold calls: FrontEnd.held)

@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from probe.errors import ProbeError
 
-__all__ = ["SiteStack", "SitesFilter", "WRAPPER_ATTRS", "live_modules", "site_filter", "site_names"]
+__all__ = ["SiteStack", "SitesFilter", "WRAPPER_ATTRS", "live_modules", "live_stacks", "site_filter", "site_names"]
 
 #: Which sites to keep: a glob, a list of names or globs, or a predicate on the site name.
 SitesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
@@ -94,6 +94,11 @@ FUNCTION_MODULES = (nn.Softmax, nn.LogSoftmax, nn.Dropout, nn.Identity)
 
 #: Every active :class:`SiteStack` (a probe's capture, a ``probe.scaling`` rule), latest last.
 _LIVE: List["SiteStack"] = []
+
+
+def live_stacks() -> List["SiteStack"]:
+    """Every active site stack, latest last (a copy): probe's captures and ``probe.scaling``'s."""
+    return list(_LIVE)
 
 
 def live_modules() -> List[nn.Module]:
