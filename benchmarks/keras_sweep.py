@@ -96,6 +96,20 @@ def _dot_grab(self, query, key):  # type: ignore[no-untyped-def]
                 eq="bhqd,bhkd->bhqk", order="qk", scale=scale, axes=1)
 
 
+def _patch_scores_mask() -> None:
+    """``Attention._apply_scores`` gets the boolean mask (causal, value mask) of the scores just recorded."""
+    orig = L.Attention._apply_scores
+
+    def wrapper(self, scores, value, scores_mask=None, training=False):  # type: ignore[no-untyped-def]
+        if RECORD and RECORD[-1]["layer"] is self and scores_mask is not None:
+            m = _np(keras.ops.convert_to_tensor(scores_mask))
+            RECORD[-1]["mask"] = m.reshape(m.shape[:-2] + (1,) + m.shape[-2:]) if m.ndim == 3 else m[:, None, None]
+        return orig(self, scores, value, scores_mask=scores_mask, training=training)
+
+    L.Attention._apply_scores = wrapper
+
+
+_patch_scores_mask()
 _patch(L.MultiHeadAttention, "_compute_attention", _mha_grab)
 _patch(L.GroupQueryAttention, "_compute_attention", _gqa_grab)
 _patch(L.Attention, "_calculate_scores", _dot_grab)

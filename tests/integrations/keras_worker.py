@@ -32,6 +32,29 @@ def entropy_reference(model: Block, x: torch.Tensor) -> list:
     return (-(p * np.log(p)).sum(-1) / np.log(p.shape[-1])).mean(axis=(0, 2)).tolist()
 
 
+def masked_dot_attention(x: torch.Tensor) -> dict:
+    """keras.layers.Attention with a causal mask: Keras masks by ``where(mask, scores - 1e9, scores)``.
+    Probe's values against the float64 reference from the layer's own q and k and its mask."""
+    inp = keras.Input((6, 16))
+    q, k = keras.layers.Dense(8), keras.layers.Dense(8)
+    model = keras.Model(inp, keras.layers.Attention()([q(inp), k(inp)], use_causal_mask=True))
+    model(x)
+    with probe.watch(model, every=1, rows=None) as p:
+        model(x).square().mean().backward()
+    s = p.summary()
+    with torch.no_grad():
+        z = (q(x) @ k(x).transpose(-1, -2)).double()
+    valid = torch.ones(6, 6, dtype=torch.bool).tril().expand_as(z)
+    prob = torch.where(valid, z, -torch.inf).softmax(-1)
+    n = valid.sum(-1).double()
+    rows = n >= 2
+    ent = -(torch.where(prob > 0, prob * prob.log(), 0.0)).sum(-1) / n.log()
+    return {"sites": s.sites, "scale": s.info(s.sites[0])["scale"],
+            "logit_var": s.value(s.sites[0], "logit_var", "actual").tolist(),
+            "logit_var_ref": [z[valid].var(unbiased=False).item()],
+            "entropy": s.value(s.sites[0], "entropy", "actual").tolist(), "entropy_ref": [ent[rows].mean().item()]}
+
+
 def main() -> None:
     keras.utils.set_random_seed(0)
     x = torch.randn(3, 6, 16, generator=torch.Generator().manual_seed(0))
@@ -53,6 +76,7 @@ def main() -> None:
         "entropy_ref": entropy_reference(sub, x),
         "grad_logits": s.value(s.sites[0], "grad_logits", "actual").tolist(),
         "functional_sites": f.sites, "functional_kind": f.info(f.sites[0])["kind"],
+        "masked_dot": masked_dot_attention(x),
     }, sys.stdout)
 
 

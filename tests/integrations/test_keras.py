@@ -36,3 +36,11 @@ def test_keras_multi_head_attention_is_one_sdpa_site_with_per_head_values() -> N
     assert len(out["grad_logits"]) == 2 and all(g > 0 for g in out["grad_logits"])
     # a Functional model's layers are not torch submodules: the site is named after the root
     assert out["functional_sites"] == ["root"] and out["functional_kind"] == "sdpa"
+    # keras.layers.Attention masks by `where(mask, scores - 1e9, scores)`: a mask, not scores of
+    # unknown scale measured with every key valid (logit_var was 2.4e17, the entropy normalised by
+    # log(all keys)); at scale 1 (q·kᵀ, no divisor)
+    dot = out["masked_dot"]
+    assert dot["sites"] == ["root"] and dot["scale"] == 1.0
+    for key in ("logit_var", "entropy"):
+        for got, ref in zip(dot[key], dot[key + "_ref"]):
+            assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-5), (key, dot)
