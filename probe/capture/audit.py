@@ -17,7 +17,8 @@ Rules (a taint follows the scores from the product to the softmax):
   contractions with constants that consume the key dim (``F.linear`` over the keys, ``scores @
   W``), which end it; a linear mix over heads (talking heads: ``einsum("bhij,hg->bgij")``, a 1x1
   convolution, an ``nn.Linear`` over the heads of permuted scores) passes it on;
-* a softmax spelled out is an event at the op that completes it: ``exp`` of log-probabilities
+* a softmax spelled out is an event at the op that completes it (over the last dim, or several
+  trailing dims with it: a softmax over several key axes): ``exp`` of log-probabilities
   (``log_softmax(x)``, ``x - logsumexp(x)``), ``e / e.sum(-1)`` of an ``e = exp(scores)``
   (:mod:`probe.capture.audit_taint`: the same op vocabulary as the eager tracer,
   :mod:`probe.capture.ops`);

@@ -125,8 +125,11 @@ def permutation(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], n: int
 
 
 def over_last(args: Tuple[Any, ...], kwargs: Dict[str, Any], n: Optional[int]) -> bool:
+    """Whether a reduction runs over the keys: the last dim, or several trailing dims with it (a
+    softmax over several key axes, ``exp(x - logsumexp(x, (4, 5)))``: Keras' 2-D attention_axes)."""
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+    if n is not None and isinstance(dim, (list, tuple)) and dim and all(isinstance(d, int) for d in dim):
+        return sorted(d % n for d in dim) == list(range(n - len(dim), n))
     return n is not None and isinstance(dim, int) and dim in (-1, n - 1)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 os.environ["KERAS_BACKEND"] = "torch"
 
@@ -55,6 +56,31 @@ def masked_dot_attention(x: torch.Tensor) -> dict:
             "entropy": s.value(s.sites[0], "entropy", "actual").tolist(), "entropy_ref": [ent[rows].mean().item()]}
 
 
+class Mixed(keras.Model):
+    """A 1-D MultiHeadAttention (SDPA) and a 2-D one (attention_axes=(1, 2): einsum, then a
+    softmax over two key axes, exp(s - logsumexp(s, (4, 5))))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)
+        self.img = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, attention_axes=(1, 2))
+
+    def call(self, x):
+        y = keras.ops.reshape(self.seq(x, x), (x.shape[0], 3, 3, 16))
+        return self.img(y, y)
+
+
+def two_d_attention() -> dict:
+    model = Mixed()
+    x = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(1))
+    model(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.watch(model, every=1, rows=None) as p:
+            model(x).square().mean().backward()
+    return {"sites": p.summary().sites, "warnings": [str(w.message) for w in caught if "NOT measured" in str(w.message)]}
+
+
 def main() -> None:
     keras.utils.set_random_seed(0)
     x = torch.randn(3, 6, 16, generator=torch.Generator().manual_seed(0))
@@ -77,6 +103,7 @@ def main() -> None:
         "grad_logits": s.value(s.sites[0], "grad_logits", "actual").tolist(),
         "functional_sites": f.sites, "functional_kind": f.info(f.sites[0])["kind"],
         "masked_dot": masked_dot_attention(x),
+        "two_d": two_d_attention(),
     }, sys.stdout)
 
 

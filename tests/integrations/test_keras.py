@@ -44,3 +44,8 @@ def test_keras_multi_head_attention_is_one_sdpa_site_with_per_head_values() -> N
     for key in ("logit_var", "entropy"):
         for got, ref in zip(dot[key], dot[key + "_ref"]):
             assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-5), (key, dot)
+    # attention_axes=(1, 2) (softmax over two key axes) is not measured: it must be named, not
+    # silently absent beside a measured layer
+    two_d = out["two_d"]
+    assert two_d["sites"] == ["seq"]
+    assert any("'img" in w for w in two_d["warnings"]), two_d
