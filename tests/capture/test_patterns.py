@@ -678,6 +678,20 @@ def test_where_with_a_small_shift_is_not_a_mask_and_is_named() -> None:
     assert any("UNVERIFIED" in w for w in warned), warned
 
 
+def core_einsum_k_first(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    # Keras' MultiHeadAttention (its eager path): (B, T, N, H) layouts, k the first operand
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    s = torch.einsum("aecd,abcd->acbe", k, q * S0)
+    return torch.einsum("acbe,aecd->abcd", keep(m, s.softmax(-1)), v).transpose(1, 2)
+
+
+def test_einsum_with_k_as_its_first_operand_is_q_k() -> None:
+    # was: "`einsum` of (2, 5, 2, 4) × (2, 5, 2, 4) was not taken as q·kᵀ": NOT measured
+    net, s, warned = run(core_einsum_k_first)
+    check(net, s, S0)
+    assert not any("NOT measured" in w for w in warned), warned
+
+
 def core_lse(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     s = q @ k.transpose(-1, -2) * S0
     return keep(m, torch.exp(s - torch.logsumexp(s, -1, keepdim=True))) @ v
