@@ -17,13 +17,14 @@ import probe  # noqa: E402
 
 
 class Block(keras.Model):
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
-        self.attn = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)
+        self.attn = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, dropout=dropout)
         self.out = keras.layers.Dense(4)
 
-    def call(self, x, scores=False):
-        return self.attn(x, x, return_attention_scores=scores)if scores else self.out(self.attn(x, x))
+    def call(self, x, scores=False, training=False):
+        return self.attn(x, x, return_attention_scores=scores) if scores else \
+            self.out(self.attn(x, x, training=training))
 
 
 def entropy_reference(model: Block, x: torch.Tensor) -> list:
@@ -81,6 +82,18 @@ def two_d_attention() -> dict:
     return {"sites": p.summary().sites, "warnings": [str(w.message) for w in caught if "NOT measured" in str(w.message)]}
 
 
+def eager_path(x: torch.Tensor) -> dict:
+    """MultiHeadAttention with dropout > 0 takes Keras' eager path (einsum(k, q), a Softmax layer,
+    a Dropout layer): measured, and named after the layer as on the SDPA path."""
+    block = Block(dropout=0.3)
+    block(x)
+    with probe.watch(block, every=1, rows=None) as p:
+        block(x, training=True).square().mean().backward()
+    s = p.summary()
+    return {"sites": s.sites, "info": s.info(s.sites[0]), "entropy": s.value(s.sites[0], "entropy", "actual").tolist(),
+            "entropy_ref": entropy_reference(block, x)}
+
+
 def main() -> None:
     keras.utils.set_random_seed(0)
     x = torch.randn(3, 6, 16, generator=torch.Generator().manual_seed(0))
@@ -104,6 +117,7 @@ def main() -> None:
         "functional_sites": f.sites, "functional_kind": f.info(f.sites[0])["kind"],
         "masked_dot": masked_dot_attention(x),
         "two_d": two_d_attention(),
+        "eager": eager_path(x),
     }, sys.stdout)
 
 

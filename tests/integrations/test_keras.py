@@ -49,3 +49,11 @@ def test_keras_multi_head_attention_is_one_sdpa_site_with_per_head_values() -> N
     two_d = out["two_d"]
     assert two_d["sites"] == ["seq"]
     assert any("'img" in w for w in two_d["warnings"]), two_d
+    # dropout > 0: Keras' eager path, einsum(k, q) (was "not taken as q·kᵀ": NOT measured) then a
+    # Softmax layer (the site was named `attn._softmax`): measured, at `attn` as on the SDPA path
+    eager = out["eager"]
+    assert eager["sites"] == ["attn"]
+    assert (eager["info"]["kind"], eager["info"]["heads"], eager["info"]["d_k"]) == ("eager", 2, 8)
+    assert math.isclose(eager["info"]["scale"], 8 ** -0.5, rel_tol=1e-6) and eager["info"]["verified"] is True
+    for got, ref in zip(eager["entropy"], eager["entropy_ref"]):
+        assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-5), eager
