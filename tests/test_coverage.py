@@ -257,3 +257,41 @@ def test_a_module_calling_attention_twice_has_no_phantom_missed_row() -> None:
     report = coverage(nn.Sequential(_Twice()), x())
     assert [r.site for r in report.rows] == ["0#1", "0#2"]
     assert report.missed == [] and all(r.captured and r.verified for r in report.rows)
+
+
+class Attn2d(nn.Module):
+    """Attention over both axes of a (B, X, Y, C) grid at once (Keras' MultiHeadAttention with
+    attention_axes=(1, 2)): a softmax over two key axes, spelled exp(s - logsumexp(s, (4, 5)))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(D, D)
+        self.k = nn.Linear(D, D)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, gx, gy, _ = x.shape
+        q, k = self.q(x).view(b, gx, gy, H, D // H), self.k(x).view(b, gx, gy, H, D // H)
+        s = torch.einsum("afgde,abcde->adbcfg", k, q)
+        p = torch.exp(s - torch.logsumexp(s, dim=(4, 5), keepdim=True))
+        return torch.einsum("adbcfg,afgde->abcde", p, q).reshape(b, gx, gy, D)
+
+
+def test_a_softmax_over_several_key_axes_is_an_attention_named_when_missed() -> None:
+    # was: not an event (the audit took only a logsumexp over the last dim): no site, no warning
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seq = Attn()
+            self.grid = Attn2d()
+
+        def forward(self, t: Tensor) -> Tensor:
+            return self.grid(self.seq(t).view(2, 3, 3, D))
+
+    torch.manual_seed(0)
+    inp = torch.randn(2, 9, D)
+    report = coverage(Both(), inp)
+    assert [(r.site, r.captured) for r in report.rows] == [("seq", True), ("grid", False)]
+    model = Both()
+    with pytest.warns(UserWarning, match="attention at 'grid' is NOT measured"):
+        with probe.watch(model):
+            model(inp)

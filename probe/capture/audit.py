@@ -17,7 +17,8 @@ Rules (a taint follows the scores from the product to the softmax):
   contractions with constants that consume the key dim (``F.linear`` over the keys, ``scores @
   W``), which end it; a linear mix over heads (talking heads: ``einsum("bhij,hg->bgij")``, a 1x1
   convolution, an ``nn.Linear`` over the heads of permuted scores) passes it on;
-* a softmax spelled out is an event at the op that completes it: ``exp`` of log-probabilities
+* a softmax spelled out is an event at the op that completes it (over the last dim, or several
+  trailing dims with it: a softmax over several key axes): ``exp`` of log-probabilities
   (``log_softmax(x)``, ``x - logsumexp(x)``), ``e / e.sum(-1)`` of an ``e = exp(scores)``
   (:mod:`probe.capture.audit_taint`: the same op vocabulary as the eager tracer,
   :mod:`probe.capture.ops`);
@@ -25,7 +26,8 @@ Rules (a taint follows the scores from the product to the softmax):
   no taint; with autograd on, a softmax input whose graph reaches a tainted tensor within a few
   nodes is still an event ("went through code probe cannot see");
 * the module of an event is the innermost running module, skipping parameterless ``torch.nn``
-  leaves (``nn.Softmax``, ``nn.Dropout``): the module that ran the softmax.
+  leaves (``nn.Softmax``, ``nn.Dropout``, and Keras' ``Softmax`` / ``Dropout`` layers: probe.capture.sites):
+  the module that ran the softmax.
 
 Cost: one Python dispatch per op; the profiler audits only the first sampled forward.
 """
@@ -42,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from probe.capture.audit_taint import (ATTENTION, CUTS, DIV, EXP, GRAPH_CUTS, GRAPH_DEPTH, LOG_SOFTMAX, PRODUCTS,
-                                       SOFTMAX, WRAPPERS, Event, Taint, keeps_scores, operands, step, tensors_in)
+                                       SOFTMAX, Event, Taint, keeps_scores, operands, step, tensors_in)
 from probe.capture.ops import name_of
 
 __all__ = ["Audit", "Event"]
@@ -67,9 +69,10 @@ class Audit(TorchFunctionMode):
     def __init__(self, model: nn.Module, followed: Optional[Callable[[Tensor], bool]] = None) -> None:
         super().__init__()
         from probe.capture.mode import site_names
+        from probe.capture.sites import function_module
 
         self._names = site_names(model)
-        self._wrappers = {id(m) for m in model.modules() if isinstance(m, WRAPPERS)}
+        self._wrappers = {id(m) for m in model.modules() if function_module(m)}
         self._consts: Set[int] = {id(t) for t in (*model.parameters(), *model.buffers())}
         self._const_refs: Dict[int, weakref.ref] = {}
         self._taints: Dict[int, Tuple[weakref.ref, Taint]] = {}

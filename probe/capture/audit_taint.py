@@ -14,13 +14,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from probe.capture import ops
 from probe.capture.ops import funcs_of, name_of
 
 __all__ = ["ATTENTION", "CUTS", "Event", "GRAPH_CUTS", "GRAPH_DEPTH", "PRODUCTS", "SOFTMAX", "LOG_SOFTMAX", "EXP",
-           "DIV", "Taint", "WRAPPERS", "keeps_scores", "operands", "step", "tensors_in"]
+           "DIV", "Taint", "keeps_scores", "operands", "step", "tensors_in"]
 
 PRODUCTS = funcs_of(ops.PRODUCT, ops.BADDBMM, ops.EINSUM, ops.DISTANCE)
 BADDBMM = funcs_of(ops.BADDBMM)
@@ -34,8 +34,6 @@ SUB = funcs_of(ops.SUB)
 MOVES = funcs_of(ops.TRANSPOSE, ops.PERMUTE)
 CUTS = ops.CUTS  # a convolution over heads (talking heads) keeps scores; a linear layer over them too
 ATTENTION = {F.scaled_dot_product_attention: "sdpa", F.multi_head_attention_forward: "mha"}
-#: parameterless torch.nn leaves that only wrap a function: an event inside belongs to the parent
-WRAPPERS = (nn.Softmax, nn.LogSoftmax, nn.Dropout, nn.Identity)
 #: how far back the autograd graph is searched for scores that went through unseen code
 GRAPH_DEPTH = 24
 #: autograd nodes of contractions with weights: the search stops there (what lies behind is
@@ -125,8 +123,11 @@ def permutation(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], n: int
 
 
 def over_last(args: Tuple[Any, ...], kwargs: Dict[str, Any], n: Optional[int]) -> bool:
+    """Whether a reduction runs over the keys: the last dim, or several trailing dims with it (a
+    softmax over several key axes, ``exp(x - logsumexp(x, (4, 5)))``: Keras' 2-D attention_axes)."""
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+    if n is not None and isinstance(dim, (list, tuple)) and dim and all(isinstance(d, int) for d in dim):
+        return sorted(d % n for d in dim) == list(range(n - len(dim), n))
     return n is not None and isinstance(dim, int) and dim in (-1, n - 1)
 
 

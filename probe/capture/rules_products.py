@@ -331,6 +331,9 @@ def qk_einsum(tracer: Any, op: Op) -> None:
     sx2, lx = _lifted(sx, res[:-2]) if len(sx) < len(sy) else (sx, None)
     sy2, ly = _lifted(sy, res[:-2]) if len(sy) < len(sx) else (sy, None)
     roles = qk_roles(sx2, sy2, res)
+    if roles is None and qk_roles(sy2, sx2, res) is not None:  # k first (Keras: ``"aecd,abcd->acbe"``, k, q)
+        (x, y), (sx2, lx, sy2, ly) = (y, x), (sy2, ly, sx2, lx)
+        roles = qk_roles(sx2, sy2, res)
     if roles is None:
         return _opaque(tracer, op) if isinstance(x, Tensor) and isinstance(y, Tensor) and not any(
             weight(t) or t.dim() < 3 for t in (x, y)) else None

@@ -7,7 +7,8 @@
   carries the model's factor (made from a scaled q, or from scaled scores) is never a fixed bias:
   the scale is then unknown; scores plus a mix of themselves over heads are a mix;
 * ``masked_fill(m, -inf)`` and ``torch.where(m, scores, -inf)`` add a boolean mask (a fill above
-  ``-100`` is not a mask: unknown); ``torch.max(scores, finfo.min)`` / ``clamp(min=...)`` at or
+  ``-100`` is not a mask: unknown), and so does ``torch.where(m, scores - 1e9, scores)`` (a shift
+  at or below ``-100``: keras.layers.Attention); ``torch.max(scores, finfo.min)`` / ``clamp(min=...)`` at or
   below it only touch masked entries;
 * ``c * tanh(z / c)`` records a soft cap ``c`` (Gemma 2);
 * casts and views keep the record (``(B·H, L, S) <-> (B, H, L, S)`` recovers the heads of a
@@ -181,11 +182,37 @@ def where(tracer: Any, op: Op) -> None:
     node = op.subject
     if len(op.args) != 3:
         return tracer.set(op.out, unknown(node, "`where` of the scores"))
-    i = 1 if op.rec(op.args[1]) is node else 2
+    a, b = op.rec(op.args[1]), op.rec(op.args[2])
+    for i, base, shifted in ((1, a, b), (2, b, a)):  # ``where(m, scores - 1e9, scores)``: keras.layers.Attention
+        shift = _shift(base, shifted) if isinstance(base, Scores) else None
+        if shift is not None:
+            return add_mask(tracer, op, base, op.args[0], i == 2, shift)
+    i = 1 if a is node else 2
     fill = op.args[2] if i == 1 else op.args[1]
     if op.rec(fill) is not None:
         return tracer.set(op.out, unknown(node, "`where` between the scores and another function of them"))
     add_mask(tracer, op, node, op.args[0], i == 2, fill)
+
+
+def _shift(node: Scores, other: Any) -> Optional[Tensor]:
+    """The term ``b`` when ``other`` is the record of ``node + b``: the same scores with one more
+    additive bias (a number or a tensor). ``where(m, scores + b, scores)`` is then a mask of the
+    entries it shifts, as a fill of ``b`` is: a mask where ``b`` is at most ``MASK_BIAS``; above,
+    the record differs from the model there and the check against the model finds it."""
+    if not isinstance(other, Scores) or len(other.biases) != len(node.biases) + 1:
+        return None
+    for f in dataclasses.fields(Scores):
+        a, b = getattr(node, f.name), getattr(other, f.name)
+        if f.name == "biases":
+            b = b[:-1]
+        if a is b:
+            continue
+        if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and all(x is y for x, y in zip(a, b)):
+            continue
+        if isinstance(a, Tensor) or isinstance(b, Tensor) or a != b:
+            return None
+    t, coeff, _ = other.biases[-1]
+    return (t if coeff == 1.0 else t * coeff).detach()
 
 
 # -- soft cap, floors ----------------------------------------------------------------------------------

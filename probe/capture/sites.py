@@ -19,7 +19,8 @@ from torch.utils.hooks import RemovableHandle
 
 from probe.errors import ProbeError
 
-__all__ = ["SiteStack", "SitesFilter", "WRAPPER_ATTRS", "live_modules", "live_stacks", "site_filter", "site_names"]
+__all__ = ["SiteStack", "SitesFilter", "WRAPPER_ATTRS", "function_module", "live_modules", "live_stacks", "site_filter",
+           "site_names"]
 
 #: Which sites to keep: a glob, a list of names or globs, or a predicate on the site name.
 SitesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
@@ -90,6 +91,16 @@ _NAMES: "weakref.WeakKeyDictionary[nn.Module, Tuple[tuple, Dict[int, str]]]" = w
 #: Parameterless ``torch.nn`` leaves that only wrap a function: a call they issue belongs to the
 #: module that called them (``self.softmax = nn.Softmax(-1)`` runs its parent's softmax).
 FUNCTION_MODULES = (nn.Softmax, nn.LogSoftmax, nn.Dropout, nn.Identity)
+#: The same leaves of Keras 3 on the torch backend (``keras.layers.MultiHeadAttention`` runs its
+#: softmax in a ``Softmax`` layer), by class name: probe never imports keras.
+KERAS_FUNCTION_LAYERS = frozenset({"Softmax", "Dropout", "Activation", "Identity"})
+
+
+def function_module(module: nn.Module) -> bool:
+    """A parameterless leaf that only wraps a function: its calls belong to the module that called it."""
+    cls = type(module)
+    return isinstance(module, FUNCTION_MODULES) or (
+        cls.__module__.startswith("keras.") and cls.__name__ in KERAS_FUNCTION_LAYERS)
 
 
 #: Every active :class:`SiteStack` (a probe's capture, a ``probe.scaling`` rule), latest last.
@@ -162,7 +173,7 @@ class SiteStack:
             self.root_running += 1
             return
         name = self._names.get(id(module))
-        if name is not None and self.root_running and not isinstance(module, FUNCTION_MODULES):
+        if name is not None and self.root_running and not function_module(module):
             self._entering()
             self._stack.append([id(module), name, 0, module])
             self._entered(module, name, args)

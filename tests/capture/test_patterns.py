@@ -633,6 +633,65 @@ def test_a_mask_added_after_a_bias_masks_its_keys() -> None:
     assert not warned, warned
 
 
+def _mask_pad_and_causal() -> Tensor:
+    """Valid keys: causal from the third row on, the first two rows see keys 0, 1 (every row has
+    at least two valid keys, so the reference's mean over rows is probe's)."""
+    keep = torch.ones(L, L, dtype=torch.bool).tril()
+    keep[:2, :2] = True
+    return keep
+
+
+def core_where_shifted(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    # keras.layers.Attention's mask: the masked entries are the scores shifted by -1e9, not a fill
+    causal = _mask_pad_and_causal()
+    m.valid = causal.expand(1, 1, L, L)
+    s = q @ k.transpose(-1, -2) * S0
+    return keep(m, torch.where(~causal, s - torch.tensor(1e9), s).softmax(-1)) @ v
+
+
+def core_where_shifted_second(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    causal = _mask_pad_and_causal()
+    m.valid = causal.expand(1, 1, L, L)
+    s = q @ k.transpose(-1, -2) * S0
+    return keep(m, torch.where(causal, s, s + -1e9).softmax(-1)) @ v
+
+
+@pytest.mark.parametrize("core", [core_where_shifted, core_where_shifted_second], ids=["shifted-first", "shifted-second"])
+def test_where_between_the_scores_and_the_scores_shifted_far_down_is_a_mask(core) -> None:
+    # was: "`where` between the scores and another function of them", measured from the softmax
+    # input with every key valid: logit_var 2.4e17 (the -1e9 entries), entropy over log(all keys),
+    # and the site verified (its own softmax input reproduces its probabilities)
+    net, s, warned = run(core)
+    check(net, s, S0)
+    assert not any("could not be recovered" in w for w in warned), warned
+
+
+def core_where_shifted_up(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    s = q @ k.transpose(-1, -2) * S0
+    return keep(m, torch.where(~causal, s + 5.0, s).softmax(-1)) @ v
+
+
+def test_where_with_a_small_shift_is_not_a_mask_and_is_named() -> None:
+    _, s, warned = run(core_where_shifted_up)
+    assert all(s.info(site)["verified"] is False for site in s.sites)
+    assert any("UNVERIFIED" in w for w in warned), warned
+
+
+def core_einsum_k_first(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    # Keras' MultiHeadAttention (its eager path): (B, T, N, H) layouts, k the first operand
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    s = torch.einsum("aecd,abcd->acbe", k, q * S0)
+    return torch.einsum("acbe,aecd->abcd", keep(m, s.softmax(-1)), v).transpose(1, 2)
+
+
+def test_einsum_with_k_as_its_first_operand_is_q_k() -> None:
+    # was: "`einsum` of (2, 5, 2, 4) × (2, 5, 2, 4) was not taken as q·kᵀ": NOT measured
+    net, s, warned = run(core_einsum_k_first)
+    check(net, s, S0)
+    assert not any("NOT measured" in w for w in warned), warned
+
+
 def core_lse(m: Attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     s = q @ k.transpose(-1, -2) * S0
     return keep(m, torch.exp(s - torch.logsumexp(s, -1, keepdim=True))) @ v

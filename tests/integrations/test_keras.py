@@ -36,3 +36,24 @@ def test_keras_multi_head_attention_is_one_sdpa_site_with_per_head_values() -> N
     assert len(out["grad_logits"]) == 2 and all(g > 0 for g in out["grad_logits"])
     # a Functional model's layers are not torch submodules: the site is named after the root
     assert out["functional_sites"] == ["root"] and out["functional_kind"] == "sdpa"
+    # keras.layers.Attention masks by `where(mask, scores - 1e9, scores)`: a mask, not scores of
+    # unknown scale measured with every key valid (logit_var was 2.4e17, the entropy normalised by
+    # log(all keys)); at scale 1 (q·kᵀ, no divisor)
+    dot = out["masked_dot"]
+    assert dot["sites"] == ["root"] and dot["scale"] == 1.0
+    for key in ("logit_var", "entropy"):
+        for got, ref in zip(dot[key], dot[key + "_ref"]):
+            assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-5), (key, dot)
+    # attention_axes=(1, 2) (softmax over two key axes) is not measured: it must be named, not
+    # silently absent beside a measured layer
+    two_d = out["two_d"]
+    assert two_d["sites"] == ["seq"]
+    assert any("'img" in w for w in two_d["warnings"]), two_d
+    # dropout > 0: Keras' eager path, einsum(k, q) (was "not taken as q·kᵀ": NOT measured) then a
+    # Softmax layer (the site was named `attn._softmax`): measured, at `attn` as on the SDPA path
+    eager = out["eager"]
+    assert eager["sites"] == ["attn"]
+    assert (eager["info"]["kind"], eager["info"]["heads"], eager["info"]["d_k"]) == ("eager", 2, 8)
+    assert math.isclose(eager["info"]["scale"], 8 ** -0.5, rel_tol=1e-6) and eager["info"]["verified"] is True
+    for got, ref in zip(eager["entropy"], eager["entropy_ref"]):
+        assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-5), eager
