@@ -213,16 +213,14 @@ def to_call(node: Scores, logits: Tensor) -> AttentionCall:
     its window mask of -100) each mask their own keys: a key is valid only where every term is
     above :data:`MASK_BIAS`, not only where their sum is (a positive bias would unmask it)."""
     grad_of = {n: (t, f) for n, t, f in node.grad_of} or None
-    if node.unknown or node.tanh:
-        return AttentionCall(q=node.q, k=node.k, v=None, scale=None, logits=lift(logits, logits.dim(), node),
-                             kind="eager", grad_of=grad_of, scale_unknown=node.unknown or "`tanh` without its factor")
+    unknown = bool(node.unknown or node.tanh)
     bias: Optional[Tensor] = None
     valid: Optional[Tensor] = None
     terms = [(lift(t, layout, node), coeff) for t, coeff, layout in node.biases]
     for term, coeff in terms:
         term = term if coeff == 1.0 else term * coeff
         bias = term if bias is None else bias + term
-        if len(terms) > 1:
+        if len(terms) > 1 or unknown:  # (one term is the known path's bias, which masks its own keys)
             keep = term > MASK_BIAS
             valid = keep if valid is None else valid & keep
     for m, invert, layout, fill in node.masks:
@@ -231,12 +229,26 @@ def to_call(node: Scores, logits: Tensor) -> AttentionCall:
             keep = keep | (fill > MASK_BIAS)
         keep = lift(keep, layout, node)
         valid = keep if valid is None else valid & keep
+    if unknown:
+        # measured from the softmax input itself: the masks seen on the way (a -1e9 fill, an
+        # additive -1e4) still say which keys are masked: a finite fill is a logit of the
+        # softmax input, and counted as one it made a causal call's logit_var 2.5e17
+        z = lift(logits, logits.dim(), node)
+        if valid is not None and not _broadcasts(valid.shape, z.shape):
+            valid = None  # (keys joined after the mask: an attention sink) fill values then count
+        return AttentionCall(q=node.q, k=node.k, v=None, scale=None, logits=z, mask=valid, kind="eager",
+                             grad_of=grad_of, scale_unknown=node.unknown or "`tanh` without its factor")
     scale: Any = node.scale
     if node.scale_t is not None:
         scale = node.scale_t * node.scale
     return AttentionCall(q=node.q, k=node.k, v=None, scale=scale, bias=bias, mask=valid,
                          softcap=node.softcap, kind="eager", grad_of=grad_of, scale_from=node.scale_from,
                          head_dim=node.head_dim, scale_unknown=node.unattributed)
+
+
+def _broadcasts(shape: Tuple[int, ...], to: Tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``to`` (the softmax input's shape)."""
+    return len(shape) <= len(to) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(to)))
 
 
 def head_mix(root: Scores, m: Tensor) -> Optional[Scores]:

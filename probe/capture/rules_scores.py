@@ -79,7 +79,14 @@ def add_bias(tracer: Any, op: Op, node: Scores, other: Any, coeff: Any) -> None:
         other = torch.full((), float(other), dtype=op.out.dtype, device=op.out.device)  # a constant bias
     describable = isinstance(other, Tensor) and other.dtype != torch.bool and number(coeff)
     if node.unknown or node.tanh or not describable:
-        tracer.set(op.out, unknown(node, f"`{op.name}` of the scores and a number or a tensor probe does not read"))
+        why = f"`{op.name}` of the scores and a number or a tensor probe does not read"
+        if describable and other.dim() > 0:  # (a term carrying the scale returned above)
+            # the scale is unknown, but a tensor term still masks the keys where it is at most
+            # MASK_BIAS (an additive -1e4 mask after a clamp): the softmax input's valid keys
+            # (probe.capture.eager_scores.to_call)
+            term = (other, float(coeff), _layout(node, op.out))
+            return tracer.set(op.out, dataclasses.replace(unknown(node, why), biases=node.biases + (term,)))
+        tracer.set(op.out, unknown(node, why))
         return
     tracer.set(op.out, dataclasses.replace(node, biases=node.biases + ((other, float(coeff), _layout(node, op.out)),)))
 
@@ -156,7 +163,9 @@ def mix_sum(a: Scores, b: Scores, coeff: Any) -> Scores:
 
 # -- masks ---------------------------------------------------------------------------------------------
 def add_mask(tracer: Any, op: Op, node: Scores, mask: Any, invert: bool, fill: Any) -> None:
-    ok = isinstance(mask, Tensor) and mask.dtype == torch.bool and not node.unknown
+    # (also on scores whose scale is unknown: their softmax input is measured, and the mask says
+    # which of its entries are fill values, not logits)
+    ok = isinstance(mask, Tensor) and mask.dtype == torch.bool
     fill_t = None
     if ok and isinstance(fill, Tensor) and fill.is_floating_point() and op.rec(fill) is None:
         fill_t = fill.detach()  # compared with MASK_BIAS on device at emit time, no sync

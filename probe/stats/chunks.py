@@ -18,7 +18,7 @@ from probe.call import AttentionCall
 from probe.stats.buffers import Scratch
 
 __all__ = ["MASK_BIAS", "accumulation_dtype", "all_finite", "as_4d", "cache_chunk_rows", "chunk_rows", "grouped_product",
-           "kv_product", "kv_view", "minmax", "row_chunks", "storage_order", "DPSource"]
+           "kv_product", "kv_view", "minmax", "row_chunks", "rows_of", "storage_order", "DPSource"]
 
 # How many (B, H, rows, S) float32 buffers one chunk keeps alive at once. The shifted path holds
 # R (shifted in place), its masked copy, exp(σD) and one product; the general path R, Z,
@@ -140,7 +140,7 @@ def as_4d(t: Tensor) -> Tensor:
     return t
 
 
-def _rows(t: Optional[Tensor], r0: int, r1: int, pos: Optional[Tensor] = None) -> Optional[Tensor]:
+def rows_of(t: Optional[Tensor], r0: int, r1: int, pos: Optional[Tensor] = None) -> Optional[Tensor]:
     """Rows ``r0:r1`` (or positions ``pos``) of a tensor broadcastable to ``(B, H, L, S)``."""
     if t is None:
         return None
@@ -164,8 +164,8 @@ def _chunk_mask(call: AttentionCall, r0: int, r1: int, pos: Optional[Tensor],
                 keys: int) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """(valid, bias) for rows ``r0:r1`` (or positions ``pos``) and keys ``0:keys``."""
     device = call.q.device
-    valid = _rows(call.mask, r0, r1, pos)
-    bias = _rows(call.bias, r0, r1, pos)
+    valid = rows_of(call.mask, r0, r1, pos)
+    bias = rows_of(call.bias, r0, r1, pos)
     if keys < call.k.shape[2]:
         valid = None if valid is None else valid[..., :keys]
         bias = None if bias is None else bias[..., :keys]

@@ -11,7 +11,10 @@ the plain formulas (:mod:`probe.stats.reference`):
 * ``entropy``, ``max_prob``, ``saturation`` of ``softmax(Z)`` over valid keys, as usual, on every
   row (the forward does not sample; the backward does);
 * valid entries: those above half the dtype's most negative finite value (so ``-inf`` and
-  Hugging Face's ``finfo.min`` masks are excluded); ``nonfinite`` counts NaN / +inf logits.
+  Hugging Face's ``finfo.min`` masks are excluded) and not masked by a mask the front end saw on
+  the way to the softmax (``call.mask``: a ``masked_fill`` or ``where`` of a fill value at or below
+  ``MASK_BIAS``, or such an additive term, e.g. a ``-1e9`` causal fill); ``nonfinite`` counts
+  NaN / +inf logits.
 
 Query rows are processed in chunks within the budget; no host synchronization.
 """
@@ -26,7 +29,7 @@ from torch import Tensor
 
 from probe.call import AttentionCall
 from probe.stats.buffers import Scratch
-from probe.stats.chunks import DPSource
+from probe.stats.chunks import DPSource, rows_of
 from probe.stats.paths.general import grad_chunk
 from probe.stats.plan import CallPlan, backward_step
 from probe.stats.reference import logit_rows, softmax_rows
@@ -46,6 +49,9 @@ def forward_rows(call: AttentionCall, plan: CallPlan, scratch: Scratch) -> Rows:
     for r0 in range(0, length, plan.step):
         z = logits[:, :, r0 : r0 + plan.step].float()
         valid = z > floor  # excludes -inf, finfo.min masks and NaN
+        seen = rows_of(call.mask, r0, r0 + z.shape[2])
+        if seen is not None:  # keys masked by a finite fill on the way (module docstring)
+            valid = valid & seen
         n, mean, m2, top = logit_rows(z, valid)
         finite = valid & (z < math.inf)
         n_s, entropy, max_prob, _ = softmax_rows(torch.where(finite, z, 0.0), finite)
