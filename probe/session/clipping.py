@@ -114,8 +114,8 @@ class Clipping:
         if model is None:
             return
         signature = tuple(id(p) for p in model.parameters())
-        if signature != self._signature:
-            self._signature, self._retrace = signature, True
+        if signature != self._signature:  # new parameters: what was traced may no longer hold
+            self._signature, self._retrace, self.sites = signature, True, {}
         if self._retrace and self._trace is None:
             self._retrace = False
             self._pending = {}
@@ -142,10 +142,13 @@ class Clipping:
         if trace is None or trace.passive:
             return
         trace.passive = True
-        self.sites = {key: trace.finish(found) for key, found in self._pending.items()}
+        settled = {key: trace.finish(found) for key, found in self._pending.items()}
+        # a window traced in parts (_follow_on) adds to the sites; a refusal stays, until new parameters
+        settled = {key: found for key, found in settled.items() if not isinstance(self.sites.get(key), Refusal)}
+        self.sites.update(settled)
         self._pending = {}
         self._layout = None
-        for key, found in self.sites.items():
+        for key, found in settled.items():
             if key in self._unverified:
                 continue
             with self.rec.lock:
@@ -154,6 +157,18 @@ class Clipping:
                     info.qk_clip = found.describe()
             if isinstance(found, Refusal):
                 self._warn_refused(key, found.reason)
+
+    def _follow_on(self) -> None:
+        """An optimizer step came while the trace was following the forwards (a trainer's window:
+        under Lightning's manual optimization a GAN's critic may run after the generator's step):
+        follow what runs next with a fresh trace, so a site first called after the step is traced
+        too, and the calls of each part (between two optimizer steps) are counted alone."""
+        model, stack = self._model(), torch.overrides._get_current_function_mode_stack()
+        if model is None or not stack or stack[-1] is not self._trace:
+            return  # not on top: left passive; a site it misses is warned at its step (step())
+        self._trace.__exit__(None, None, None)
+        self._trace = Trace(model, site_names(model))
+        self._trace.__enter__()
 
     def _warn_refused(self, key: SiteKey, reason: str) -> None:
         site = self.rec.site_name(key)
@@ -202,11 +217,14 @@ class Clipping:
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
+            tracing = self._trace is not None and not self._trace.passive
             self.settle()
             targets = self._targets()
             held = any(id(p) in targets for group in optimizer.param_groups for p in group["params"])
             if held:
                 self.step()
+            if tracing:  # after the clip: its own in-place scaling is not followed
+                self._follow_on()
         except Exception as err:  # noqa: BLE001 - a training loop never dies because of probe
             self._warn(f"probe: qk_clip failed after an optimizer step ({type(err).__name__}: {err}); "
                        "the weights of that step were not clipped")
@@ -252,6 +270,10 @@ class Clipping:
                 scale_site(found, a, b)
             else:
                 g = torch.ones_like(top)  # refused (or not traced yet): nothing scaled
+                if found is None and key not in self._unverified:
+                    site = self.rec.site_name(key)
+                    self._warn_once(f"untraced:{site}", f"probe: qk_clip did not clip site {site!r} at step {step}: "
+                                    "it first ran in a forward probe did not trace; it is traced on its next one")
             bad.append((key, (torch.isnan(top) | (top == float("inf"))).any()))
             if self.records:
                 self._record(key, step, top, g)
