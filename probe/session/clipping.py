@@ -95,6 +95,8 @@ class Clipping:
         self._signature: Optional[Tuple[int, ...]] = None
         self._retrace = True
         self._layout: Optional[List[Tuple[SiteKey, int]]] = None  # the cross-rank packing order
+        self._clipped: Set[SiteKey] = set()  # sites an optimizer step has handled at least once
+        self._stepped = False  # an optimizer step holding the model's weights came
         # the global hook holds the clip weakly: an unclosed probe is still collected (and closed)
         ref = weakref.ref(self)
         self._handle = register_optimizer_step_post_hook(
@@ -215,14 +217,30 @@ class Clipping:
         model = self._model()
         return out or (set() if model is None else {id(p) for p in model.parameters()})
 
+    def _scaled(self, found: SiteProvenance) -> List[Tensor]:
+        """The parameters a site's q and k heads are scaled through (``_targets``'s, for one site)."""
+        modules = ((rows.module(), rows.weight) for rows in (found.q, found.k))
+        return [module._parameters[weight] for module, weight in modules if module is not None]
+
+    def _due(self, key: SiteKey, held: Optional[Set[int]]) -> bool:
+        """Whether the step of the optimizer holding ``held`` (parameter ids) clips ``key``: a site
+        whose scaled weights it holds, or that no optimizer updates (frozen weights: any step, as a
+        site refused or not traced is recorded at any step). A site whose weights another optimizer
+        updates waits for that one's step: a GAN's critic is clipped after the critic's step, from
+        the critic's forwards since its last clip, not after the generator's."""
+        found = None if key in self._unverified else self.sites.get(key)
+        if held is None or not isinstance(found, SiteProvenance):
+            return True
+        params = self._scaled(found)
+        return any(id(p) in held for p in params) or not any(p.requires_grad for p in params)
+
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
             tracing = self._trace is not None and not self._trace.passive
             self.settle()
-            targets = self._targets()
-            held = any(id(p) in targets for group in optimizer.param_groups for p in group["params"])
-            if held:
-                self.step()
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if held & self._targets():
+                self.step(held)
             if tracing:  # after the clip: its own in-place scaling is not followed
                 self._follow_on()
         except Exception as err:  # noqa: BLE001 - a training loop never dies because of probe
@@ -252,18 +270,22 @@ class Clipping:
         dist.all_reduce(flat, op=dist.ReduceOp.MAX)
         return dict(zip((key for key, _ in self._layout), flat.split([heads for _, heads in self._layout])))
 
-    def step(self) -> None:
-        """Clip every site from the max logits measured since the last clip; record what was done."""
-        if not self._top and self.sites:
+    def step(self, held: Optional[Set[int]] = None) -> None:
+        """Clip the sites due at the step of the optimizer holding ``held`` (parameter ids;
+        ``None``: every site, see :meth:`_due`) from their max logits measured since their last
+        clip; record what was done."""
+        if self.sites and not any(self._due(key, held) for key in self._top):
             self._warn_once("unmeasured", "probe: qk_clip: an optimizer step came with no training forward measured "
                             "since the last clip (paused, no_grad, or a compiled graph): nothing was clipped")
+        self._stepped = True
         tops = self._reduced()
-        self._top = {}
         step = self.rec.step
         bad = []
-        for key, top in tops.items():
-            if key not in self._heads:
-                continue  # a site another rank saw: its values only
+        done = [key for key in tops if key in self._heads and self._due(key, held)]  # others: another rank's
+        for key in done:
+            top = tops[key]
+            self._top.pop(key, None)
+            self._clipped.add(key)
             found = None if key in self._unverified else self.sites.get(key)
             if isinstance(found, SiteProvenance) and found.kv_of.numel() == top.shape[0]:
                 g, a, b = factors(top, self.tau, found.kv_of)
@@ -296,7 +318,16 @@ class Clipping:
             self.rec.acc.add(key, fields)
 
     def close(self) -> None:
-        """Remove the optimizer hook (harmless twice)."""
+        """Remove the optimizer hook (harmless twice); name every clippable site that optimizer
+        steps came for but none that holds its weights (it was never clipped)."""
+        for key in [k for k in self._top if k not in self._clipped and self._stepped]:
+            found = None if key in self._unverified else self.sites.get(key)
+            if isinstance(found, SiteProvenance):
+                site = self.rec.site_name(key)
+                names = ", ".join(f"{rows.name}.{rows.weight}" for rows in (found.q, found.k))
+                self._warn_once(f"unheld:{site}", f"probe: qk_clip never clipped site {site!r}: no optimizer step "
+                                f"that holds its q and k weights ({names}) came after its training forwards")
+        self._stepped = False
         self._handle.remove()
         self.stop_mode()
         self._trace = None
