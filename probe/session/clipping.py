@@ -15,9 +15,12 @@ What :class:`Clipping` does for a :class:`~probe.session.profiler.Probe`:
 * **Clips after each optimizer step.** A global optimizer step post-hook runs after the step of
   any optimizer holding a clipped weight (or, when no site can be clipped, any of the model's
   parameters): the per-head maxima are reduced over the ranks (``MAX``, so that every replica
-  applies the same factors), turned into factors (:mod:`probe.experiment.clip_rule`), applied in
-  place, and recorded as ``qk_clip_logit`` (S), ``qk_clip_factor`` (γ, 1 when not clipped) and
-  ``qk_clip_steps`` (steps clipped) for the sinks and the summary.
+  applies the same factors), and the sites whose weights that optimizer holds (:meth:`Clipping._due`:
+  a site another optimizer updates waits for its step) are turned into factors
+  (:mod:`probe.experiment.clip_rule`), applied in place, and recorded as ``qk_clip_logit`` (S),
+  ``qk_clip_factor`` (γ, 1 when not clipped) and ``qk_clip_steps`` (steps clipped) for the sinks
+  and the summary. A step inside a trainer's recording window starts a fresh trace for what runs
+  after it (:meth:`Clipping._follow_on`).
 
 Pitfall: the rule uses the max logit of the forward *before* the update, as published; the next
 forward's max logit may exceed τ by what one optimizer step adds (docs/qk_clip.md).
