@@ -181,6 +181,46 @@ def test_max_over_micro_batches_and_not_over_evaluation():
     assert torch.equal(model.v.weight, ref.v.weight)
 
 
+class _Pair(nn.Module):
+    """A generator and a critic, each to be stepped by its own optimizer (a GAN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gen, self.critic = Toy(), Toy()
+
+    def forward(self, x):
+        return self.critic(self.gen(x))
+
+
+def test_each_optimizer_clips_the_sites_it_updates_after_its_own_step():
+    """The critic's optimizer steps first: the generator's heads wait for the generator's step,
+    so they are clipped after its update, as the rule says, not before it."""
+    model, x = _Pair(), torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(0))
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        s = {"gen": _max_logits(ref.gen, x), "critic": _max_logits(ref.critic, ref.gen(x))}
+    tau = float(torch.cat(list(s.values())).min()) / 2  # every head is clipped
+    ref(x).pow(2).mean().backward()
+    with torch.no_grad():
+        for name, part in (("critic", ref.critic), ("gen", ref.gen)):
+            for p in part.parameters():
+                p -= 0.5 * p.grad
+            f = (tau / s[name]).sqrt().float().repeat_interleave(part.dh)
+            for lin in (part.q, part.k):
+                lin.weight.mul_(f[:, None])
+                lin.bias.mul_(f)
+    opt_g = torch.optim.SGD(model.gen.parameters(), lr=0.5)
+    opt_d = torch.optim.SGD(model.critic.parameters(), lr=0.5)
+    with probe.watch(model, qk_clip=tau, every=None) as p:
+        model(x).pow(2).mean().backward()
+        opt_d.step()
+        opt_g.step()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, ref.state_dict()[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert p.summary().value("gen", "qk_clip_steps").tolist() == [1.0] * 4
+
+
 def test_no_clip_without_an_optimizer_step_nor_for_another_models_optimizer():
     model, x = _model_and_batch(4)
     other = nn.Linear(3, 3)

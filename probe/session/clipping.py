@@ -15,9 +15,12 @@ What :class:`Clipping` does for a :class:`~probe.session.profiler.Probe`:
 * **Clips after each optimizer step.** A global optimizer step post-hook runs after the step of
   any optimizer holding a clipped weight (or, when no site can be clipped, any of the model's
   parameters): the per-head maxima are reduced over the ranks (``MAX``, so that every replica
-  applies the same factors), turned into factors (:mod:`probe.experiment.clip_rule`), applied in
-  place, and recorded as ``qk_clip_logit`` (S), ``qk_clip_factor`` (γ, 1 when not clipped) and
-  ``qk_clip_steps`` (steps clipped) for the sinks and the summary.
+  applies the same factors), and the sites whose weights that optimizer holds (:meth:`Clipping._due`:
+  a site another optimizer updates waits for its step) are turned into factors
+  (:mod:`probe.experiment.clip_rule`), applied in place, and recorded as ``qk_clip_logit`` (S),
+  ``qk_clip_factor`` (γ, 1 when not clipped) and ``qk_clip_steps`` (steps clipped) for the sinks
+  and the summary. A step inside a trainer's recording window starts a fresh trace for what runs
+  after it (:meth:`Clipping._follow_on`).
 
 Pitfall: the rule uses the max logit of the forward *before* the update, as published; the next
 forward's max logit may exceed τ by what one optimizer step adds (docs/qk_clip.md).
@@ -95,6 +98,8 @@ class Clipping:
         self._signature: Optional[Tuple[int, ...]] = None
         self._retrace = True
         self._layout: Optional[List[Tuple[SiteKey, int]]] = None  # the cross-rank packing order
+        self._clipped: Set[SiteKey] = set()  # sites an optimizer step has handled at least once
+        self._stepped = False  # an optimizer step holding the model's weights came
         # the global hook holds the clip weakly: an unclosed probe is still collected (and closed)
         ref = weakref.ref(self)
         self._handle = register_optimizer_step_post_hook(
@@ -114,8 +119,8 @@ class Clipping:
         if model is None:
             return
         signature = tuple(id(p) for p in model.parameters())
-        if signature != self._signature:
-            self._signature, self._retrace = signature, True
+        if signature != self._signature:  # new parameters: what was traced may no longer hold
+            self._signature, self._retrace, self.sites = signature, True, {}
         if self._retrace and self._trace is None:
             self._retrace = False
             self._pending = {}
@@ -142,10 +147,13 @@ class Clipping:
         if trace is None or trace.passive:
             return
         trace.passive = True
-        self.sites = {key: trace.finish(found) for key, found in self._pending.items()}
+        settled = {key: trace.finish(found) for key, found in self._pending.items()}
+        # a window traced in parts (_follow_on) adds to the sites; a refusal stays, until new parameters
+        settled = {key: found for key, found in settled.items() if not isinstance(self.sites.get(key), Refusal)}
+        self.sites.update(settled)
         self._pending = {}
         self._layout = None
-        for key, found in self.sites.items():
+        for key, found in settled.items():
             if key in self._unverified:
                 continue
             with self.rec.lock:
@@ -154,6 +162,18 @@ class Clipping:
                     info.qk_clip = found.describe()
             if isinstance(found, Refusal):
                 self._warn_refused(key, found.reason)
+
+    def _follow_on(self) -> None:
+        """An optimizer step came while the trace was following the forwards (a trainer's window:
+        under Lightning's manual optimization a GAN's critic may run after the generator's step):
+        follow what runs next with a fresh trace, so a site first called after the step is traced
+        too, and the calls of each part (between two optimizer steps) are counted alone."""
+        model, stack = self._model(), torch.overrides._get_current_function_mode_stack()
+        if model is None or not stack or stack[-1] is not self._trace:
+            return  # not on top: left passive; a site it misses is warned at its step (step())
+        self._trace.__exit__(None, None, None)
+        self._trace = Trace(model, site_names(model))
+        self._trace.__enter__()
 
     def _warn_refused(self, key: SiteKey, reason: str) -> None:
         site = self.rec.site_name(key)
@@ -200,13 +220,32 @@ class Clipping:
         model = self._model()
         return out or (set() if model is None else {id(p) for p in model.parameters()})
 
+    def _scaled(self, found: SiteProvenance) -> List[Tensor]:
+        """The parameters a site's q and k heads are scaled through (``_targets``'s, for one site)."""
+        modules = ((rows.module(), rows.weight) for rows in (found.q, found.k))
+        return [module._parameters[weight] for module, weight in modules if module is not None]
+
+    def _due(self, key: SiteKey, held: Optional[Set[int]]) -> bool:
+        """Whether the step of the optimizer holding ``held`` (parameter ids) clips ``key``: a site
+        whose scaled weights it holds, or that no optimizer updates (frozen weights: any step, as a
+        site refused or not traced is recorded at any step). A site whose weights another optimizer
+        updates waits for that one's step: a GAN's critic is clipped after the critic's step, from
+        the critic's forwards since its last clip, not after the generator's."""
+        found = None if key in self._unverified else self.sites.get(key)
+        if held is None or not isinstance(found, SiteProvenance):
+            return True
+        params = self._scaled(found)
+        return any(id(p) in held for p in params) or not any(p.requires_grad for p in params)
+
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
+            tracing = self._trace is not None and not self._trace.passive
             self.settle()
-            targets = self._targets()
-            held = any(id(p) in targets for group in optimizer.param_groups for p in group["params"])
-            if held:
-                self.step()
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if held & self._targets():
+                self.step(held)
+            if tracing:  # after the clip: its own in-place scaling is not followed
+                self._follow_on()
         except Exception as err:  # noqa: BLE001 - a training loop never dies because of probe
             self._warn(f"probe: qk_clip failed after an optimizer step ({type(err).__name__}: {err}); "
                        "the weights of that step were not clipped")
@@ -234,24 +273,32 @@ class Clipping:
         dist.all_reduce(flat, op=dist.ReduceOp.MAX)
         return dict(zip((key for key, _ in self._layout), flat.split([heads for _, heads in self._layout])))
 
-    def step(self) -> None:
-        """Clip every site from the max logits measured since the last clip; record what was done."""
-        if not self._top and self.sites:
+    def step(self, held: Optional[Set[int]] = None) -> None:
+        """Clip the sites due at the step of the optimizer holding ``held`` (parameter ids;
+        ``None``: every site, see :meth:`_due`) from their max logits measured since their last
+        clip; record what was done."""
+        if self.sites and not any(self._due(key, held) for key in self._top):
             self._warn_once("unmeasured", "probe: qk_clip: an optimizer step came with no training forward measured "
                             "since the last clip (paused, no_grad, or a compiled graph): nothing was clipped")
+        self._stepped = True
         tops = self._reduced()
-        self._top = {}
         step = self.rec.step
         bad = []
-        for key, top in tops.items():
-            if key not in self._heads:
-                continue  # a site another rank saw: its values only
+        done = [key for key in tops if key in self._heads and self._due(key, held)]  # others: another rank's
+        for key in done:
+            top = tops[key]
+            self._top.pop(key, None)
+            self._clipped.add(key)
             found = None if key in self._unverified else self.sites.get(key)
             if isinstance(found, SiteProvenance) and found.kv_of.numel() == top.shape[0]:
                 g, a, b = factors(top, self.tau, found.kv_of)
                 scale_site(found, a, b)
             else:
                 g = torch.ones_like(top)  # refused (or not traced yet): nothing scaled
+                if found is None and key not in self._unverified:
+                    site = self.rec.site_name(key)
+                    self._warn_once(f"untraced:{site}", f"probe: qk_clip did not clip site {site!r} at step {step}: "
+                                    "it first ran in a forward probe did not trace; it is traced on its next one")
             bad.append((key, (torch.isnan(top) | (top == float("inf"))).any()))
             if self.records:
                 self._record(key, step, top, g)
@@ -274,7 +321,16 @@ class Clipping:
             self.rec.acc.add(key, fields)
 
     def close(self) -> None:
-        """Remove the optimizer hook (harmless twice)."""
+        """Remove the optimizer hook (harmless twice); name every clippable site that optimizer
+        steps came for but none that holds its weights (it was never clipped)."""
+        for key in [k for k in self._top if k not in self._clipped and self._stepped]:
+            found = None if key in self._unverified else self.sites.get(key)
+            if isinstance(found, SiteProvenance):
+                site = self.rec.site_name(key)
+                names = ", ".join(f"{rows.name}.{rows.weight}" for rows in (found.q, found.k))
+                self._warn_once(f"unheld:{site}", f"probe: qk_clip never clipped site {site!r}: no optimizer step "
+                                f"that holds its q and k weights ({names}) came after its training forwards")
+        self._stepped = False
         self._handle.remove()
         self.stop_mode()
         self._trace = None
