@@ -380,8 +380,8 @@ class Trace(Rules, TorchFunctionMode):
                 if len(self._owners.get(id(param), [])) > 1 or id(param) in self._shared:
                     return Refusal(f"{source.name}.{attr} is tied to another module's parameter")
                 if self._param_uses.get(id(param), 0) > 1:
-                    return Refusal(f"{source.name}.{attr} is used by {self._param_uses[id(param)]} calls in one "
-                                   "forward (weights shared across layers)")
+                    return Refusal(f"{source.name}.{attr} is used by {self._param_uses[id(param)]} calls between "
+                                   "two optimizer steps (weights shared across layers, or a module called again)")
         return SiteProvenance(self._rows(pending.q, pending.q_of), self._rows(pending.k, pending.k_of), pending.path,
                               pending.kv_of)
 

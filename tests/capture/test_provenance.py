@@ -138,7 +138,7 @@ def test_conv1d_columns_and_transposed_weight_rows(transposed, what):
     ("bias_after", "a bias added after it"),
     ("normalize", "not modelled"),
     ("shared_gain", "feeds several q heads (a QK-norm gain shared by every head"),
-    ("tied", "used by 2 calls in one forward"),
+    ("tied", "used by 2 calls between two optimizer steps"),
     ("reused", "read by 2 ops"),
     ("clamp", "clamp is not modelled"),
 ])
