@@ -184,3 +184,106 @@ def test_a_step_that_raised_before_any_forward_is_not_warned_at_close():
 
     messages = _probe_messages(run)
     assert len(messages) == 1 and "ran directly instead: encoder" in messages[0], messages
+
+
+class Hooked(nn.Module):
+    """TransformerLens' shape: ``run_with_hooks`` calls ``self.forward`` directly (so do
+    ``HookedTransformer.generate`` and any ``model.forward(x)``), skipping ``nn.Module.__call__``
+    and with it the watched module's own hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([Attention(), Attention()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return h
+
+    def run_with_hooks(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
+
+def test_a_direct_forward_call_under_automatic_steps_is_named():
+    # before: nothing measured and not a word (a TransformerLens run_with_hooks under probe.watch)
+    model, x = Hooked(), _x()
+
+    def run() -> None:
+        with probe.watch(model, every=1) as p:
+            for _ in range(2):
+                model.run_with_hooks(x).sum().backward()
+            model.forward(x)
+            assert p.summary().sites == []
+
+    messages = _probe_messages(run)
+    assert len(messages) == 1, messages  # once per probe
+    assert "'embed' (Linear), a submodule of the watched module Hooked, ran outside the watched module's forward" \
+        in messages[0]
+    assert "NOT measured" in messages[0] and "p.step(n, window=True)" in messages[0]
+
+
+def test_a_direct_forward_after_ordinary_ones_is_named_too():
+    model, x = Hooked(), _x()
+
+    def run() -> None:
+        with probe.watch(model, every=1) as p:
+            model(x).sum().backward()
+            model.run_with_hooks(x)
+            assert p.summary().sites == ["blocks.0", "blocks.1"]
+
+    messages = _probe_messages(run)
+    assert len(messages) == 1 and "'embed' (Linear)" in messages[0], messages
+
+
+class Checkpointed(Hooked):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=False)
+        return h
+
+
+def test_no_outside_warning_for_calls_through_the_module_a_backward_recompute_or_a_pause():
+    model, x = Checkpointed(), _x()
+    loss_fn = nn.MSELoss()
+
+    def run() -> None:
+        with probe.watch(model, every=1) as p:
+            for _ in range(2):
+                loss_fn(model(x), torch.zeros(2, 5, 8)).backward()  # the blocks rerun in the backward
+            p.pause()
+            with torch.no_grad():
+                model.blocks[0](x)  # an evaluation the user paused for
+        with probe.watch(model, every=1) as p:
+            p.step(0)
+            model(x)
+            p.step(1)
+            model(x)  # explicit steps keep their own watcher
+        other = Hooked()
+        with probe.watch(model, every=1):
+            model(x)
+            other.forward(x)  # another model's parts are nobody's business
+
+    assert _probe_messages(run) == []
+
+
+def test_a_direct_forward_in_a_recording_window_is_measured_and_no_hook_is_left():
+    from torch.nn.modules import module as module_mod
+
+    before = len(module_mod._global_forward_pre_hooks)
+    model, x = Hooked(), _x()
+    expected = model.forward(x)
+
+    def run() -> None:
+        with probe.watch(model, every=1) as p:
+            p.step(0, window=True)
+            got = model.run_with_hooks(x)
+            assert torch.equal(got, expected)
+        assert p.summary().sites == ["blocks.0", "blocks.1"]
+
+    assert _probe_messages(run) == []
+    assert len(module_mod._global_forward_pre_hooks) == before

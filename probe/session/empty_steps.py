@@ -18,6 +18,17 @@ case, said with the submodules that ran.
 
 Each case is one ``UserWarning`` per probe, naming the watched module. Steps that are not sampled
 cost nothing; after the warning the watcher is no longer armed.
+
+With automatic steps (one root forward is one step) there is no step to judge when the watched
+module's forward never runs: ``model.forward(x)`` called directly skips ``nn.Module.__call__``
+and with it the root's hooks (TransformerLens' ``run_with_hooks`` and ``generate`` do so), and
+nothing at all would be measured, without a word. So the modules the root's forward calls
+directly (its children, looking through ``ModuleList`` / ``ModuleDict``) carry a forward
+pre-hook while the probe is open: one that runs outside the root's forward, between two root
+forwards and not paused, is said once, naming it. It does nothing inside the root's forward, in
+a backward (activation checkpointing reruns them) or traced by Dynamo; it is per module, not
+global (a global module hook makes every ``torch.compile``'d module warn), and a copy of the
+model carries it inert.
 """
 
 from __future__ import annotations
@@ -26,10 +37,12 @@ import warnings
 import weakref
 from typing import Any, Dict, List, Optional
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from probe.capture.sites import site_names
+from probe.session.forward_guard import RootHook
 
 __all__ = ["EmptySteps"]
 
@@ -61,10 +74,15 @@ class EmptySteps:
         self._root_ran = False
         self._windows = 0  # recording windows of the current step that closed
         self.warned = False
+        self._outside: List[RemovableHandle] = []  # on the modules the root calls (automatic steps)
+        self._outside_armed = False  # between two root forwards, not paused
+        self._outside_names: Optional[Dict[int, str]] = None  # read at the first module seen outside
+        self.warned_outside = False
 
     def begin(self, step: int, sampled: bool) -> None:
         """An explicit step begins (``p.step(step)``); watch what runs if it is sampled. The same
         step again (its next micro-batch) goes on counting."""
+        self.outside(False)  # counting is explicit from now on
         if step == self._step and sampled == self._sampled:
             return
         self.end()
@@ -90,6 +108,46 @@ class EmptySteps:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+    def outside(self, armed: bool) -> None:
+        """Automatic steps: watch (``armed``), until the next root forward, for a module the root
+        calls that runs outside its forward (module docstring); ``False`` stops watching."""
+        self._outside_armed = armed and not self.warned_outside
+        model = self._model()
+        if self._outside_armed and not self._outside and model is not None:
+            todo = list(model.children())
+            while todo:
+                m = todo.pop(0)
+                if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+                    todo.extend(m.children())  # containers are not called: their children are
+                elif m is not model:
+                    self._outside.append(m.register_forward_pre_hook(RootHook(self._seen_outside)))
+
+    def _unhook_outside(self) -> None:
+        self._outside_armed = False
+        for handle in self._outside:
+            handle.remove()
+        self._outside = []
+
+    def _seen_outside(self, module: nn.Module, args: Any) -> None:
+        if not self._outside_armed or torch.compiler.is_compiling() or torch._C._current_graph_task_id() != -1:
+            return  # inside the root's forward, traced by Dynamo, or rerun by a backward
+        model = self._model()
+        if model is None:
+            return
+        if self._outside_names is None:
+            self._outside_names = site_names(model)
+        name = self._outside_names.get(id(module), type(module).__name__)
+        self.warned_outside = True
+        self._unhook_outside()
+        warnings.warn(
+            f"probe: {name!r} ({type(module).__name__}), a submodule of the watched module {_describe(model)}, ran "
+            "outside the watched module's forward, so probe measures nothing it runs: any attention in it is NOT "
+            "measured. probe measures the attention that runs inside the forward of the module passed to "
+            "probe.watch, called as a module (model(x)): model.forward(x) called directly skips nn.Module.__call__ "
+            "and its hooks (TransformerLens' run_with_hooks and generate do so). Call the watched module itself, "
+            "watch the module whose forward runs, or record the whole step with p.step(n, window=True).",
+            UserWarning, stacklevel=3)
 
     def forward_end(self, step: int, calls: int, auto: bool, compiled: bool = False) -> None:
         """A captured root forward of ``step`` ended having captured ``calls`` attention calls.
@@ -122,6 +180,8 @@ class EmptySteps:
         failed training step): a step whose forward never ran is then warned only when some of
         the watched module's submodules ran in it."""
         self._disarm()
+        if closing:
+            self._unhook_outside()
         step, sampled, forwards, calls, ran = self._step, self._sampled, self._forwards, self._calls, self._ran
         windows, self._windows = self._windows, 0
         self._step, self._sampled, self._forwards, self._calls, self._ran = None, False, 0, 0, []
@@ -156,5 +216,6 @@ class EmptySteps:
         warnings.warn(message, UserWarning, stacklevel=4)
 
     def remove(self) -> None:
-        """Remove the watcher's hook (harmless twice)."""
+        """Remove the watcher's hooks (harmless twice)."""
         self._disarm()
+        self._unhook_outside()

@@ -138,6 +138,7 @@ class Probe:
         self._audit = Riders(FirstForwardAudit(model, self._frontends, done=not audit, warn=audit != "quiet"),
                              clip, self._sampled)
         self._life = Lifecycle()  # READY; every phase change goes through it (probe.session.lifecycle)
+        self._rec.empty_steps.outside(True)  # its parts run outside its forward: said (probe.session.empty_steps)
         self._handles = [
             # RootHook: a deepcopy / pickle / torch.save of the model copies them as inert hooks
             model.register_forward_pre_hook(RootHook(self._on_forward_start), with_kwargs=True),
@@ -210,6 +211,7 @@ class Probe:
         self._close_window()
         self._life.pause()
         self._eager.arm(False)
+        self._rec.empty_steps.outside(False)
         if flush and self._schedule.window_full(self._rec.window):
             self._flush()
         if wait:
@@ -226,9 +228,11 @@ class Probe:
         """Before the next root forward: ``force_eager`` if it will be recorded (torch.compile)."""
         life = self._life
         self._eager.arm(not life.paused and self._sampled(life.following_step()))
+        self._rec.empty_steps.outside(life.counting is Counting.AUTO and not life.paused and not life.closed)
 
     # -- root hooks: FORWARD_START and FORWARD_END ---------------------------------------------
     def _on_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self._rec.empty_steps.outside(False)  # (also traced: the modules it calls run inside it)
         if torch.compiler.is_compiling():  # Dynamo traces the root's hooks: leave the graph
             if torch.compiler.is_exporting():  # torch.export: no graph break allowed, nothing to measure
                 self._aside(args, kwargs, "torch.export")
