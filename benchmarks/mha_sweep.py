@@ -8,9 +8,10 @@ mode forward + backward, in ``eval`` mode under ``torch.no_grad()`` (where PyTor
 apply: ``torch._native_multi_head_attention``, ``torch._transformer_encoder_layer_fwd``, the
 nested-tensor conversion of ``nn.TransformerEncoder``), and once under ``probe.coverage``.
 
-The reference is independent of probe. A recording pass (no probe, PyTorch's fast path switched
-off so that every ``nn.MultiheadAttention`` is called) keeps the query, key, value and arguments
-each attention module receives; q and k are rebuilt from the module's own ``in_proj_weight`` /
+The reference is independent of probe. A recording pass (no probe) keeps the query, key, value
+and arguments each attention module receives (a second one with PyTorch's fast path switched off
+for the ``self_attn`` of fused encoder layers, which are then never called; an encoder that makes
+a nested tensor of its padded batch never computes the padded query rows: they are left out); q and k are rebuilt from the module's own ``in_proj_weight`` /
 ``q_proj_weight`` / ``k_proj_weight`` and ``in_proj_bias`` in float64, with the ``bias_k`` key
 and the ``add_zero_attn`` zero key appended; ``attn_mask`` (2-D or per-head 3-D) and
 ``key_padding_mask`` are applied as PyTorch documents them (a boolean ``True`` forbids, a float
@@ -261,11 +262,19 @@ def _run(model: nn.Module, run: Callable[[nn.Module], Any], train: bool, probed:
 
 
 def _record(model: nn.Module, run: Callable[[nn.Module], Any], train: bool) -> List[Tuple[str, nn.Module, dict]]:
-    """The arguments every nn.MultiheadAttention of ``model`` receives (fast path off, no grad)."""
+    """The arguments every nn.MultiheadAttention of ``model`` receives (no grad): as the model runs,
+    and, for those a fused encoder layer never calls, with PyTorch's fast path off."""
+    real = _record_pass(model, run, fast=True)
+    seen = {site for site, _, _ in real}
+    return real + [c for c in _record_pass(model, run, fast=False) if c[0] not in seen]
+
+
+def _record_pass(model: nn.Module, run: Callable[[nn.Module], Any], fast: bool) -> List[Tuple[str, nn.Module, dict]]:
     seen: List[Tuple[str, nn.Module, dict]] = []
     handles = []
+    layer_attns = {id(m.self_attn) for m in model.modules() if isinstance(m, nn.TransformerEncoderLayer)}
     for name, m in model.named_modules():
-        if isinstance(m, nn.MultiheadAttention):
+        if isinstance(m, nn.MultiheadAttention) and not (fast and id(m) in layer_attns):  # (a hook blocks the layer's fast path)
             def pre(mod, args, kwargs, name=name):  # type: ignore[no-untyped-def]
                 bound = _MHA_SIG.bind(mod, *args, **kwargs)
                 bound.apply_defaults()
@@ -276,14 +285,14 @@ def _record(model: nn.Module, run: Callable[[nn.Module], Any], train: bool) -> L
                         a[k] = a[k].to_padded_tensor(0.0)
                 seen.append((name, mod, a))
             handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-    fast = torch.backends.mha.get_fastpath_enabled()
+    fast_before = torch.backends.mha.get_fastpath_enabled()
     try:
-        torch.backends.mha.set_fastpath_enabled(False)
+        torch.backends.mha.set_fastpath_enabled(fast and fast_before)
         torch.manual_seed(7)
         with torch.no_grad():
             run(model)
     finally:
-        torch.backends.mha.set_fastpath_enabled(fast)
+        torch.backends.mha.set_fastpath_enabled(fast_before)
         for h in handles:
             h.remove()
     return seen
@@ -387,6 +396,9 @@ def run_case(name: str, spec: Dict[str, Any]) -> Dict[str, Any]:
             continue
         mha, a = entries[0]
         q, k, _, bias, _, _ = attention_parts(mha, **a)
+        if not train and spec.get("nested") is not None and site.startswith(spec["nested"][0]):
+            # nn.TransformerEncoder's fast path makes a nested tensor: padded query rows are never computed
+            bias[spec["nested"][1][:, None, :, None].expand_as(bias)] = -math.inf
         ref = stats(q, k, bias)
         for m, r in ref.items():
             ok, err = _agree(summary.value(site, m, "actual"), r, m)
@@ -528,13 +540,14 @@ def mha_cases() -> Dict[str, Dict[str, Any]]:
 
 
 def layer_case(make: Callable[[], nn.Module], args: Callable[[], tuple], kwargs: Optional[dict] = None,
-               mode: str = "train", grad_ref: bool = True) -> Dict[str, Any]:
+               mode: str = "train", grad_ref: bool = True, nested: Optional[Tuple[str, Tensor]] = None) -> Dict[str, Any]:
+    """``nested``: (site prefix, padding mask) of an encoder that converts its batch to a nested tensor in eval."""
     kwargs = kwargs or {}
 
     def build():  # type: ignore[no-untyped-def]
         return make(), args(), kwargs
 
-    return dict(build=build, mode=mode, grad_ref=grad_ref)
+    return dict(build=build, mode=mode, grad_ref=grad_ref, nested=nested)
 
 
 def transformer_cases() -> Dict[str, Dict[str, Any]]:
@@ -559,7 +572,7 @@ def transformer_cases() -> Dict[str, Dict[str, Any]]:
                                                             dict(src_mask=cm_s, is_causal=True), mode=mode),
             f"TE 2 layers kpm (nested){t}": layer_case(
                 lambda: nn.TransformerEncoder(enc(), 2, enable_nested_tensor=True), lambda: (src(),),
-                dict(src_key_padding_mask=pad), mode=mode),
+                dict(src_key_padding_mask=pad), mode=mode, nested=("layers.", pad)),
             f"TE 2 layers kpm, no nested{t}": layer_case(
                 lambda: nn.TransformerEncoder(enc(), 2, enable_nested_tensor=False), lambda: (src(),),
                 dict(src_key_padding_mask=pad), mode=mode),
@@ -576,10 +589,10 @@ def transformer_cases() -> Dict[str, Dict[str, Any]]:
             f"Transformer all masks{t}": layer_case(
                 lambda: nn.Transformer(E, H, 1, 1, **kw), lambda: (src(), tgt()),
                 dict(tgt_mask=cm_t, memory_mask=mem_mask, src_key_padding_mask=pad, tgt_key_padding_mask=tpad,
-                     memory_key_padding_mask=pad, tgt_is_causal=True), mode=mode),
+                     memory_key_padding_mask=pad, tgt_is_causal=True), mode=mode, nested=("encoder.", pad)),
             f"Transformer dropout 0.1{t}": layer_case(
                 lambda: nn.Transformer(E, H, 1, 1, **{**kw, "dropout": 0.1}), lambda: (src(), tgt()),
-                dict(tgt_mask=cm_t, src_key_padding_mask=pad), mode=mode, grad_ref=False),
+                dict(tgt_mask=cm_t, src_key_padding_mask=pad), mode=mode, grad_ref=False, nested=("encoder.", pad)),
         })
     # (a nested-tensor input runs only on the fused kernels, which the recording pass turns off:
     # tests/capture/test_mha.py::test_nested_input_runs_fused_path_bitwise_and_is_measured covers it)
