@@ -97,19 +97,26 @@ class FrontEnd:
     def reset(self) -> None:
         """Forget per-forward state (the capture mode exits)."""
 
-    def runs_fused(self, module: nn.Module, args: Tuple[Any, ...]) -> bool:
-        """Whether ``module`` must run PyTorch's fused kernel outside the capture mode (its
-        input is a nested tensor); :meth:`measure_fused` then measures it."""
+    def runs_fused(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                   parent: Optional[nn.Module] = None, inside: bool = False) -> bool:
+        """Whether ``module`` must (or should) run PyTorch's fused kernel outside the capture mode
+        (a nested-tensor input, a fast path in eval); :meth:`measure_fused` then measures it.
+        ``inside``: an ancestor already runs outside, ``module`` is only to be measured (``parent``
+        the module that called it)."""
         return False
 
-    def measure_fused(self, module: nn.Module, name: str, args: Tuple[Any, ...], emit: Emit,
-                      named_site: NamedSite) -> None:
-        """Emit the attention of a module claimed by :meth:`runs_fused`, from its weights."""
+    def measure_fused(self, module: nn.Module, name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                      mode: Any, named_site: NamedSite, parent: Optional[nn.Module] = None) -> None:
+        """Record the attention of a module claimed by :meth:`runs_fused`, to ``mode.emit``."""
 
 
 # The module types some front end may claim for PyTorch's fused kernel (FrontEnd.fused_types of the
 # classes overriding runs_fused), as a tuple for isinstance (ModuleStack reads it directly).
 FUSED_TYPES: List[Tuple[type, ...]] = [()]
+
+# Functions of a watched root giving the modules whose calls' keyword arguments a front end needs
+# for FrontEnd.runs_fused (ModuleStack hooks them with kwargs; a global hook sees positional ones only).
+KWARGS_HOOKED: List[Callable[[nn.Module], List[nn.Module]]] = []
 
 # Whether a front end may hold recorded calls (FrontEnd.held): set when one records, cleared by a
 # module boundary that asked every recording mode and found none (ModuleStack reads it directly).

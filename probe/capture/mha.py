@@ -22,22 +22,17 @@ What is recorded (``E`` the head dim, ``H`` heads, ``L`` target and ``S`` source
 * ``bias``: the float mask PyTorch builds from ``attn_mask`` and ``key_padding_mask`` (boolean
   masks become ``-inf``); ``causal`` when ``is_causal`` reaches SDPA without a mask.
 
-Pitfall: under any TorchFunctionMode, ``has_torch_function`` is true, so
-``nn.MultiheadAttention`` and ``nn.TransformerEncoder(Layer)`` leave their fused fast paths
-(``torch._native_multi_head_attention``, ``torch._transformer_encoder_layer_fwd``, the
-nested-tensor conversion) on sampled steps and run the unfused path: outputs agree to float
-rounding (about 1e-7 relative), and padded positions of an ``nn.TransformerEncoder`` called with
-``src_key_padding_mask`` in eval hold the unfused values instead of the fast path's zeros.
-Fused kernels called directly (never by PyTorch's modules under the mode) are run unchanged and
-named in one warning per site: their attention is not measured.
+Fast paths: in eval without gradients, ``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``
+and ``nn.TransformerEncoder`` run outside the capture mode, on PyTorch's fused paths as without
+probe, and are measured beside them (:mod:`probe.capture.mha_fused`). Fused kernels called
+directly are run unchanged and named in one warning per site: their attention is not measured.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -45,11 +40,12 @@ from torch import Tensor, nn
 
 from probe.experiment import overrides
 from probe.call import AttentionCall
-from probe.capture.frontend import Emit, FrontEnd, NamedSite
+from probe.capture import mha_fused
+from probe.capture.frontend import KWARGS_HOOKED, Emit, FrontEnd, NamedSite
 from probe.capture.sdpa import rerun_rows
 from probe.once import WarnOnce
 
-__all__ = ["MHAFrontEnd", "lookup_mha", "mha_forward", "mirrors", "nested_self_attention_call"]
+__all__ = ["MHAFrontEnd", "lookup_mha", "mha_forward", "mirrors"]
 
 def _heads_view(t: Tensor, bsz: int, heads: int) -> Tensor:
     """``(B*H, N, E)`` → ``(B, H, N, E)`` (a view, as PyTorch's SDPA branch takes it)."""
@@ -286,36 +282,6 @@ def mha_forward(
     return attn_output, None
 
 
-def nested_self_attention_call(mha: nn.MultiheadAttention, x: Tensor) -> AttentionCall:
-    """The self-attention PyTorch's fused kernel computes for a nested (ragged) batch ``x``.
-
-    The fused kernels (``torch._native_multi_head_attention``,
-    ``torch._transformer_encoder_layer_fwd``) run without autograd and are opaque, so ``q`` and
-    ``k`` are recomputed from ``mha``'s packed projection on the zero-padded batch; entries of a
-    sequence beyond its own length (padding rows and keys) are masked out. The sequence lengths
-    are nested-tensor metadata kept on the host: reading them does not synchronize.
-
-    Args:
-        mha: the attention module (packed projection, ``batch_first``: what the fast path requires).
-        x: the nested input ``(B, L_i, E)`` the kernel attends over (after ``norm1`` when
-            ``norm_first``).
-    """
-    with torch.no_grad():
-        padded = x.to_padded_tensor(0.0)
-        bsz, length, _ = padded.shape
-        heads, head_dim = mha.num_heads, mha.head_dim
-        q, k, v = F.linear(padded, mha.in_proj_weight, mha.in_proj_bias).chunk(3, dim=-1)
-        q, k, v = (t.reshape(bsz, length, heads, head_dim).transpose(1, 2) for t in (q, k, v))
-        lengths = x._nested_tensor_size()[:, 0].to(padded.device, non_blocking=True)
-        inside = torch.arange(length, device=padded.device) < lengths.view(-1, 1)  # (B, L)
-        mask = (inside.unsqueeze(-1) & inside.unsqueeze(-2)).unsqueeze(1)  # (B, 1, L, L)
-    return AttentionCall(q=q, k=k, v=v, scale=1.0 / math.sqrt(head_dim), mask=mask, kind="mha")
-
-
-def _nested(t: Any) -> bool:
-    return isinstance(t, Tensor) and t.is_nested and t.layout == torch.strided
-
-
 _SIGNATURE = inspect.signature(mha_forward)
 _KNOWN = frozenset(name for name in _SIGNATURE.parameters if name not in ("emit", "scale_override"))
 
@@ -359,12 +325,13 @@ class MHAFrontEnd(FrontEnd):
     """
 
     funcs: Tuple[Callable[..., Any], ...] = (F.multi_head_attention_forward,) + _FUSED
-    fused_types = (nn.MultiheadAttention, nn.TransformerEncoderLayer)  # runs_fused claims only these
+    fused_types = mha_fused.FUSED_MODULES  # runs_fused claims only these
     applies_overrides = True
 
     def __init__(self) -> None:
         self._warn_once = WarnOnce()
         self.pending: List[str] = []  # fused kernels called directly, named at the next module boundary
+        self._layer_kwargs: Dict[int, Dict[str, Any]] = {}  # a claimed encoder's masks for its layers
 
     def handle(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
                emit: Optional[Emit]) -> Any:
@@ -395,46 +362,29 @@ class MHAFrontEnd(FrontEnd):
     def overrides_active(self) -> bool:
         return overrides.rules_active()  # variants do not reach nn.MultiheadAttention
 
+
     def has_pending(self) -> bool:
         return bool(self.pending)
 
-    def runs_fused(self, module: nn.Module, args: Tuple[Any, ...]) -> bool:
-        """Whether ``module`` gets a nested-tensor input, which only PyTorch's fused path accepts.
+    def runs_fused(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                   parent: Optional[nn.Module] = None, inside: bool = False) -> bool:
+        """Whether ``module`` runs outside the capture mode: a nested-tensor input (only PyTorch's
+        fused path accepts it), or a call PyTorch may run on a fused path (eval, no gradient);
+        :func:`probe.capture.mha_fused.claims`. :meth:`measure_fused` then measures it."""
+        return mha_fused.claims(module, args, parent, inside)
 
-        Then :class:`~probe.capture.mode.ModuleStack` lets it run outside the capture mode
-        (outputs bitwise unchanged) and :meth:`measure_fused` measures it instead."""
-        if not isinstance(module, self.fused_types) or not args or not _nested(args[0]):
-            return False  # (module entries ask only for fused_types; a direct caller may not)
-        if isinstance(module, nn.TransformerEncoderLayer):
-            return isinstance(module.self_attn, nn.MultiheadAttention)
-        return isinstance(module, nn.MultiheadAttention)
-
-    def measure_fused(self, module: nn.Module, name: str, args: Tuple[Any, ...], emit: Emit,
-                      named_site: NamedSite) -> None:
-        """Emit the attention of a module that runs a fused kernel on nested input ``args[0]``.
-
-        A ``TransformerEncoderLayer`` is reported at its ``self_attn`` child's name, as on the
-        unfused path. A module PyTorch cannot run this way (masks with nested input, cross
-        attention) is left to raise PyTorch's own error.
-        """
-        x = args[0]
-        mha = module.self_attn if isinstance(module, nn.TransformerEncoderLayer) else module
-        if not mha._qkv_same_embed_dim or mha.in_proj_bias is None or len(args) > 1 and args[1] is not x:
-            return
+    def measure_fused(self, module: nn.Module, name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                      mode: Any, named_site: NamedSite, parent: Optional[nn.Module] = None) -> None:
+        """Record the attention of a module claimed by :meth:`runs_fused` (an encoder layer at its
+        ``self_attn`` child's name, as on the unfused path); a failure is warned, never raised."""
         try:
-            if isinstance(module, nn.TransformerEncoderLayer):
-                if module.norm_first:
-                    with torch.no_grad():
-                        x = module.norm1(x)
-                context: ContextManager[None] = named_site(f"{name}.self_attn")
-            else:
-                context = contextlib.nullcontext()
-            call = nested_self_attention_call(mha, x)
-        except (RuntimeError, ValueError, TypeError) as err:  # a diagnostic never breaks the model
-            self._warn_once(f"nested:{name}", f"probe: could not measure the fused attention of {name!r}: {err}")
-            return
-        with context:
-            emit(call)
+            if isinstance(module, nn.TransformerEncoder):
+                self._layer_kwargs[id(module)] = mha_fused.encoder_layer_kwargs(module, args, kwargs)
+            elif isinstance(module, nn.TransformerEncoderLayer) and not kwargs:
+                kwargs = self._layer_kwargs.get(id(parent), {})
+            mha_fused.measure(module, name, args, kwargs, mode, named_site)
+        except (RuntimeError, ValueError, TypeError, AssertionError) as err:  # PyTorch's own run raises it
+            self._warn_once(f"fused:{name}", f"probe: could not measure the fused attention of {name!r}: {err}")
 
     def drain(self, emit: Emit, site: str) -> None:
         """Warn once per site and kernel about fused kernels called directly (not measured)."""
@@ -447,4 +397,7 @@ class MHAFrontEnd(FrontEnd):
             ))
 
     def reset(self) -> None:
-        self.pending = []
+        self.pending, self._layer_kwargs = [], {}
+
+
+KWARGS_HOOKED.append(mha_fused.kwargs_hooked)  # the modules MHAFrontEnd.runs_fused reads the keyword arguments of

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from probe.capture.frontend import FUSED_TYPES, HELD, Emit, FrontEnd, settled
+from probe.capture.frontend import FUSED_TYPES, HELD, KWARGS_HOOKED, Emit, FrontEnd, settled
 from probe.capture.sites import SiteStack, SitesFilter, WRAPPER_ATTRS, live_stacks, site_filter, site_names
 from probe.experiment.overrides import is_applying
 
@@ -83,9 +83,24 @@ class ModuleStack(SiteStack):
     def __init__(self, root: nn.Module) -> None:
         super().__init__(root)
         self._suspended: Optional[Tuple[int, "CaptureMode", List[Any]]] = None  # (module id, popped modes)
+        self._kw_ids: set = set()  # modules claimed with their kwargs (hooked): _claim, not _entered
 
     def activate(self, inside_root: bool = True) -> None:  # a capture activates inside its root's forward
         super().activate(inside_root)
+        root = self._root()
+        self._kw_ids = set()
+        for hooked in KWARGS_HOOKED if root is not None else ():  # modules a front end claims by their kwargs
+            for m in hooked(root):
+                if m is not root and id(m) not in self._kw_ids:
+                    self._kw_ids.add(id(m))
+                    self._handles.append(m.register_forward_pre_hook(self._claim, with_kwargs=True))
+
+    def claim_root(self, args: Any, kwargs: Any) -> None:
+        """The root's forward starts (the capture mode just entered): a root some front end may
+        claim is offered as any other module (its own pre-hooks ran before the capture began)."""
+        root = self._root()
+        if root is not None and isinstance(root, FUSED_TYPES[0]) and self._stack and self._stack[-1][0] == id(root):
+            self._maybe_run_fused(root, "root", args, kwargs)
 
     def deactivate(self) -> None:
         super().deactivate()
@@ -96,8 +111,13 @@ class ModuleStack(SiteStack):
             self._drain()  # calls recorded so far belong to the running module, not this child
 
     def _entered(self, module: nn.Module, name: str, args: Any) -> None:
-        if self._suspended is None and isinstance(module, FUSED_TYPES[0]):  # a type some front end may claim
-            self._maybe_run_fused(module, name, args)
+        if isinstance(module, FUSED_TYPES[0]) and id(module) not in self._kw_ids:  # (else: _claim, with kwargs)
+            self._maybe_run_fused(module, name, args, {})
+
+    def _claim(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """A module some front end may claim was pushed (after the global hooks) with these arguments."""
+        if self._stack and self._stack[-1][0] == id(module):
+            self._maybe_run_fused(module, self._stack[-1][1], args, kwargs)
 
     def _leaving(self, module: nn.Module) -> None:
         if self._suspended is not None and self._suspended[0] == id(module):
@@ -123,15 +143,27 @@ class ModuleStack(SiteStack):
         if not held and self._suspended is None:  # (a suspended mode is off the stack: ask again later)
             settled()
 
-    def _maybe_run_fused(self, module: nn.Module, name: str, args: Any) -> None:
-        """Let a module run PyTorch's fused kernel when only that path can run it.
+    def _maybe_run_fused(self, module: nn.Module, name: str, args: Any, kwargs: Any) -> None:
+        """Let a module run PyTorch's fused kernel when only that path can run it, or when
+        PyTorch would pick it without probe.
 
         A module whose input is a nested tensor (``nn.MultiheadAttention``,
-        ``nn.TransformerEncoderLayer``) must take its fast path, which an active TorchFunctionMode
-        forbids (``has_torch_function``). A front end with ``runs_fused(module, args)`` claims such a
+        ``nn.TransformerEncoderLayer``) must take its fast path, and in eval without gradients
+        these and ``nn.TransformerEncoder`` may: an active TorchFunctionMode forbids both
+        (``has_torch_function``). A front end with ``runs_fused(module, args, kwargs)`` claims such a
         module: the capture mode leaves the function-mode stack until the module returns, and the
-        front end's ``measure_fused(module, name, args, emit, site)`` measures it from its weights.
+        front end's ``measure_fused(module, name, args, kwargs, mode, site)`` measures it. Modules
+        entered meanwhile are offered to the same front end with ``inside=True``, to measure only.
         """
+        parent = self._stack[-2][3] if len(self._stack) > 1 and len(self._stack[-2]) > 3 else None
+        if self._suspended is not None:  # an ancestor runs outside the mode: measure only
+            mode = self._suspended[1]
+            for candidate in mode._fusers:
+                if isinstance(module, candidate.fused_types or nn.Module) and candidate.runs_fused(
+                        module, args, kwargs, parent=parent, inside=True):
+                    candidate.measure_fused(module, name, args, kwargs, mode, self.named_site, parent=parent)
+                    break
+            return
         n = torch._C._len_torch_function_stack()
         riders = []  # modes that ride on the capture mode (probe.capture.audit): they leave with it
         while n > len(riders) and getattr(torch._C._get_function_stack_at(n - 1 - len(riders)), "rides_capture", False):
@@ -141,7 +173,8 @@ class ModuleStack(SiteStack):
             return
         frontend = None
         for candidate in mode._fusers:  # only front ends overriding FrontEnd.runs_fused, for their types
-            if isinstance(module, candidate.fused_types or nn.Module) and candidate.runs_fused(module, args):
+            if isinstance(module, candidate.fused_types or nn.Module) and candidate.runs_fused(
+                    module, args, kwargs, parent=parent):
                 frontend = candidate
                 break
         if frontend is None:
@@ -150,7 +183,7 @@ class ModuleStack(SiteStack):
             torch._C._pop_torch_function_stack()
         self._suspended = (id(module), mode, riders)
         assert mode.emit is not None  # a recording mode
-        frontend.measure_fused(module, name, args, mode.emit, self.named_site)
+        frontend.measure_fused(module, name, args, kwargs, mode, self.named_site, parent=parent)
 
     @contextlib.contextmanager
     def named_site(self, name: str) -> Iterator[None]:

@@ -266,6 +266,7 @@ class Probe:
         life.start_forward(capture, new_step)
         if capture:
             self._start_capture()
+            self._stack.claim_root(args, kwargs)  # an nn.MultiheadAttention / nn.Transformer* root
 
     def _on_traced_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._eager.hooks_traced = self._eager.in_graph = True

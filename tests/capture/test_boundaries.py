@@ -86,12 +86,14 @@ def test_fusers_are_asked_for_their_declared_module_types_only():
     class _Typed(FrontEnd):
         fused_types = (nn.Linear,)
 
-        def runs_fused(self, module: nn.Module, args: Tuple[Any, ...]) -> bool:
+        def runs_fused(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Any, parent: Any = None,
+                       inside: bool = False) -> bool:
             asked.append(type(module).__name__)
             return False
 
     class _Untyped(FrontEnd):  # no declared types: every module is asked
-        def runs_fused(self, module: nn.Module, args: Tuple[Any, ...]) -> bool:
+        def runs_fused(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Any, parent: Any = None,
+                       inside: bool = False) -> bool:
             asked.append("any:" + type(module).__name__)
             return False
 

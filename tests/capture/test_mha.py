@@ -279,10 +279,16 @@ def _layer_inputs(model: nn.Module, run):
     return seen
 
 
-def test_transformer_encoder_eval_fast_path_left_within_1e6_and_metrics_match():
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("wrapped", [False, True], ids=["root", "child"])
+def test_transformer_encoder_eval_fast_path_runs_bitwise_and_metrics_match(wrapped):
+    """In eval without grad the encoder makes a nested tensor of its padded batch (zeros at padded
+    positions): under probe too, bitwise; the padded query rows are never computed, so not measured."""
     torch.manual_seed(3)
     layer = nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True)
-    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    model = Holder(encoder) if wrapped else encoder
+    prefix = "attn." if wrapped else ""
     x = torch.randn(B, L, E)
     kpm = torch.zeros(B, L, dtype=torch.bool)
     kpm[1, 3:] = True
@@ -290,29 +296,67 @@ def test_transformer_encoder_eval_fast_path_left_within_1e6_and_metrics_match():
         ref = model(x, src_key_padding_mask=kpm)  # PyTorch's nested-tensor fast path
         with probe.watch(model) as p:
             out = model(x, src_key_padding_mask=kpm)
-    ok = ~kpm
-    torch.testing.assert_close(out[ok], ref[ok], rtol=0, atol=1e-6)
-    assert torch.equal(ref[kpm], torch.zeros_like(ref[kpm]))  # the fast path's padding; documented
+    assert torch.equal(out, ref)
+    assert torch.equal(ref[kpm], torch.zeros_like(ref[kpm]))  # the fast path's padding
     s_ = p.summary()
-    assert s_.sites == ["layers.0.self_attn", "layers.1.self_attn"]
-    inputs = _layer_inputs(model, lambda: model(x, src_key_padding_mask=kpm))
+    assert s_.sites == [f"{prefix}layers.0.self_attn", f"{prefix}layers.1.self_attn"]
+    inputs = _layer_inputs(encoder, lambda: encoder(x, src_key_padding_mask=kpm))
     for site in s_.sites:
-        mha, query, key, _ = inputs[site]
+        mha, query, key, _ = inputs[site[len(prefix):]]
         q, k = _projections(mha, query, key, key)
         valid, bias = _valid_and_bias(B, H, L, L, L, key_padding_mask=kpm)
+        valid &= ~kpm[:, None, :, None]  # padded query rows: not computed by the nested path
         _check_metrics(s_, site, q, k, valid, bias, 1 / math.sqrt(E // H))
     _assert_clean(model)
 
 
-def test_mha_eval_fast_path_left_within_1e6():
-    mha = Holder(nn.MultiheadAttention(E, H, batch_first=True).eval())
-    x = torch.randn(B, L, E)
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_transformer_eval_decoder_reading_a_padded_memory_is_bitwise():
+    """nn.Transformer in eval with src_key_padding_mask but no memory_key_padding_mask: the decoder
+    attends to the encoder's padded positions, which the fast path sets to zeros (then norm). Under
+    probe the encoder used to run unfused, which changed the decoder's outputs at valid positions."""
+    torch.manual_seed(12)
+    model = nn.Transformer(E, H, 1, 1, dim_feedforward=32, dropout=0.0, batch_first=True).eval()
+    src, tgt = torch.randn(B, L, E), torch.randn(B, S, E)
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    kpm[1, 3:] = True
     with torch.no_grad():
-        ref = mha(x, x, x, need_weights=False)[0]  # torch._native_multi_head_attention
-        with probe.watch(mha) as p:
-            out = mha(x, x, x, need_weights=False)[0]
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
-    assert p.summary().sites == ["attn"]
+        ref = model(src, tgt, src_key_padding_mask=kpm)
+        with probe.watch(model) as p:
+            out = model(src, tgt, src_key_padding_mask=kpm)
+    assert torch.equal(out, ref)
+    assert sorted(p.summary().sites) == [
+        "decoder.layers.0.multihead_attn", "decoder.layers.0.self_attn", "encoder.layers.0.self_attn"]
+    _assert_clean(model)
+
+
+@pytest.mark.parametrize("case", ["plain", "kpm", "fully_masked_row", "need_weights"])
+def test_mha_eval_fast_path_runs_bitwise_and_metrics_match(case):
+    """torch._native_multi_head_attention runs under probe as without it (a fully masked row: the
+    fused kernel's number, not the unfused path's NaN); the attention is measured beside it."""
+    torch.manual_seed(13)
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    model = Holder(mha)
+    x = torch.randn(B, L, E)
+    kwargs = dict(need_weights=case == "need_weights")
+    kpm = mask = None
+    if case == "kpm":
+        kpm = kwargs["key_padding_mask"] = torch.zeros(B, L, dtype=torch.bool)
+        kpm[1, 3:] = True
+    if case == "fully_masked_row":
+        mask = kwargs["attn_mask"] = torch.zeros(L, L, dtype=torch.bool)
+        mask[1] = True
+    with torch.no_grad():
+        ref = model(x, x, x, **kwargs)
+        with probe.watch(model) as p:
+            out = model(x, x, x, **kwargs)
+    assert torch.equal(out[0].nan_to_num(123.0), ref[0].nan_to_num(123.0))
+    s_ = p.summary()
+    assert s_.sites == ["attn"]
+    q, k = _projections(mha, x, x, x)
+    valid, bias = _valid_and_bias(B, H, L, L, L, attn_mask=mask, key_padding_mask=kpm)
+    _check_metrics(s_, "attn", q, k, valid, bias, 1 / math.sqrt(E // H))
+    _assert_clean(model)
 
 
 @pytest.mark.parametrize("kind", ["encoder", "decoder", "transformer"])
