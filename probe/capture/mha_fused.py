@@ -74,9 +74,13 @@ def kwargs_hooked(root: nn.Module) -> List[nn.Module]:
     ``nn.TransformerEncoderLayer`` takes its fast path only without hooks on it or its children,
     so its calls are seen without their keyword arguments (claimed for a nested input, or measured
     inside a claimed encoder, whose call gives the layers' masks)."""
-    layer_attns = {id(m.self_attn) for m in root.modules() if isinstance(m, nn.TransformerEncoderLayer)}
-    return [m for m in root.modules() if isinstance(m, nn.TransformerEncoder)
-            or isinstance(m, nn.MultiheadAttention) and id(m) not in layer_attns]
+    found, layer_attns = [], set()
+    for m in root.modules():  # one walk (every sampled step activates the capture)
+        if isinstance(m, nn.TransformerEncoderLayer):
+            layer_attns.add(id(m.self_attn))
+        if isinstance(m, (nn.TransformerEncoder, nn.MultiheadAttention)):
+            found.append(m)
+    return [m for m in found if not (isinstance(m, nn.MultiheadAttention) and id(m) in layer_attns)]
 
 
 def claims(module: nn.Module, args: Tuple[Any, ...], parent: Optional[nn.Module], inside: bool) -> bool:
