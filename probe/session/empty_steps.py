@@ -23,7 +23,8 @@ With automatic steps (one root forward is one step) there is no step to judge wh
 module's forward never runs: ``model.forward(x)`` called directly skips ``nn.Module.__call__``
 and with it the root's hooks (TransformerLens' ``run_with_hooks`` and ``generate`` do so), and
 nothing at all would be measured, without a word. So the modules the root's forward calls
-directly (its children, looking through ``ModuleList`` / ``ModuleDict``) carry a forward
+directly (its children, looking through ``ModuleList`` / ``ModuleDict``; not ``torch.nn`` leaves,
+which run no attention) carry a forward
 pre-hook while the probe is open: one that runs outside the root's forward, between two root
 forwards and not paused, is said once, naming it. It does nothing inside the root's forward, in
 a backward (activation checkpointing reruns them) or traced by Dynamo; it is per module, not
@@ -45,6 +46,13 @@ from probe.capture.sites import site_names
 from probe.session.forward_guard import RootHook
 
 __all__ = ["EmptySteps"]
+
+
+def _builtin_leaf(module: nn.Module) -> bool:
+    """A ``torch.nn`` module without children (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``...):
+    it runs no attention, so calling it outside the watched forward (a user's own logging of
+    ``model.q(x)``, a tied ``lm_head``) is not worth a warning."""
+    return type(module).__module__.startswith("torch.nn.") and next(module.children(), None) is None
 
 #: How many submodules that ran instead a warning names.
 _SHOWN = 6
@@ -120,7 +128,7 @@ class EmptySteps:
                 m = todo.pop(0)
                 if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
                     todo.extend(m.children())  # containers are not called: their children are
-                elif m is not model:
+                elif m is not model and not _builtin_leaf(m):
                     self._outside.append(m.register_forward_pre_hook(RootHook(self._seen_outside)))
 
     def _unhook_outside(self) -> None:
