@@ -26,7 +26,6 @@ Classification of each case:
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -41,6 +40,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import probe  # noqa: E402
+from sweep_common import sweep_main  # noqa: E402  (benchmarks/, run as a script)
 
 try:  # optional: tiny keras_hub backbones (random weights, built from constructor arguments)
     import keras_hub  # noqa: E402
@@ -449,35 +449,16 @@ def cases() -> Dict[str, Callable[[], Tuple[Any, tuple, dict]]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--only", help="comma-separated substrings of case names")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    a = ap.parse_args()
-    rows = []
-    for name, build in cases().items():
-        if a.only and not any(s in name for s in a.only.split(",")):
-            continue
-        try:
-            row = run_case(name, build)
-        except Exception as err:  # a case that does not run is reported, not hidden
-            row = dict(case=name, verdict=f"ERROR {type(err).__name__}: {str(err)[:120]}", calls=0, sites=[],
-                       warnings=[], worst_err=0.0)
-        rows.append(row)
+    def line(name: str, row: Dict[str, Any]) -> str:
         note = "; ".join(w[:150] for w in row["warnings"] if "NOT measured" in w or "UNVERIFIED" in w
                          or "no attention call" in w)
-        print(f"{name:34s} {row['verdict']:18s} calls={row['calls']} sites={','.join(row['sites']) or '-':22s} "
-              f"err={row['worst_err']:.1e}  {note[:220]}", flush=True)
-        if a.verbose:
-            print(json.dumps(row.get("detail", {}), indent=1), row.get("coverage"), row["warnings"])
-    counts: Dict[str, int] = {}
-    for r in rows:
-        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
-    print(f"\n{len(rows)} cases: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+        return (f"{name:34s} {row['verdict']:18s} calls={row['calls']} sites={','.join(row['sites']) or '-':22s} "
+                f"err={row['worst_err']:.1e}  {note[:220]}")
 
+    sweep_main(cases(), run_case, line,
+               lambda name, case, err: dict(case=name, verdict=f"ERROR {type(err).__name__}: {str(err)[:120]}",
+                                            calls=0, sites=[], warnings=[], worst_err=0.0),
+               lambda row: f"{json.dumps(row.get('detail', {}), indent=1)} {row.get('coverage')} {row['warnings']}")
 
 if __name__ == "__main__":
     sys.exit(main())

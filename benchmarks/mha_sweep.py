@@ -41,10 +41,8 @@ Classification of each case:
 
 from __future__ import annotations
 
-import argparse
 import copy
 import inspect
-import json
 import math
 import sys
 import warnings
@@ -56,6 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import probe
+from sweep_common import sweep_main  # noqa: E402  (benchmarks/, run as a script)
 
 E, H, L, S, B = 16, 4, 5, 7, 2
 MASK_BIAS = -100.0  # an additive bias at or below this masks its key (probe.call.AttentionCall, docs/metrics.md)
@@ -604,36 +603,18 @@ def cases() -> Dict[str, Dict[str, Any]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--only", help="comma-separated substrings of case names")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    a = ap.parse_args()
     warnings.filterwarnings("ignore", message=".*nested tensors is in prototype.*")
     warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
-    rows = []
-    for name, spec in cases().items():
-        if a.only and not any(s in name for s in a.only.split(",")):
-            continue
-        try:
-            row = run_case(name, spec)
-        except Exception as err:  # a case that does not run is reported, not hidden
-            row = dict(case=name, mode=spec["mode"], verdict=f"ERROR {type(err).__name__}: {str(err)[:150]}",
-                       sites=[], calls=0, worst_err=0.0, worst_grad=0.0, problems=[], named=[], notes=[], warnings=[], out_diff=0.0)
-        rows.append(row)
-        detail = "; ".join(row["problems"] + row["named"] + row["notes"])
-        print(f"{name:48s} {row['verdict']:16s} calls={row['calls']} sites={len(row['sites'])} "
-              f"err={row['worst_err']:.1e} grad={row['worst_grad']:.0e}  {detail[:300]}", flush=True)
-        if a.verbose:
-            print("   ", row["warnings"])
-    counts: Dict[str, int] = {}
-    for r in rows:
-        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
-    print(f"\n{len(rows)} cases: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
 
+    def line(name: str, row: Dict[str, Any]) -> str:
+        detail = "; ".join(row["problems"] + row["named"] + row["notes"])
+        return (f"{name:48s} {row['verdict']:16s} calls={row['calls']} sites={len(row['sites'])} "
+                f"err={row['worst_err']:.1e} grad={row['worst_grad']:.0e}  {detail[:300]}")
+
+    sweep_main(cases(), run_case, line,
+               lambda name, spec, err: dict(case=name, mode=spec["mode"], verdict=f"ERROR {type(err).__name__}: "
+                                            f"{str(err)[:150]}", sites=[], calls=0, worst_err=0.0, worst_grad=0.0,
+                                            problems=[], named=[], notes=[], warnings=[], out_diff=0.0))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -35,7 +35,6 @@ Classification of each case (the worst over its layers):
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import warnings
@@ -45,6 +44,7 @@ import numpy as np
 import torch
 
 import probe
+from sweep_common import sweep_main  # noqa: E402  (benchmarks/, run as a script)
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # HookedTransformer's own deprecation note
 from transformer_lens import HookedTransformer, HookedTransformerConfig  # noqa: E402
@@ -327,35 +327,16 @@ def cases() -> Dict[str, Case]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--only", help="comma-separated substrings of case names")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    a = ap.parse_args()
-    rows = []
-    for name, case in cases().items():
-        if a.only and not any(s in name for s in a.only.split(",")):
-            continue
-        try:
-            row = run_case(name, case)
-        except Exception as err:  # a case that does not run is reported, not hidden
-            row = dict(case=name, verdict=f"ERROR {type(err).__name__}: {str(err)[:150]}", sites=[], warnings=[],
-                       worst_err=0.0, scales=[])
-        rows.append(row)
+    def line(name: str, row: Dict[str, Any]) -> str:
         note = "; ".join(w[:160] for w in row["warnings"] if "NOT measured" in w or "UNVERIFIED" in w
                          or "scale" in w or "no attention" in w)
-        print(f"{name:38s} {row['verdict']:16s} sites={','.join(row['sites']) or '-':28s} "
-              f"scale={'/'.join(row['scales']):16s} err={row['worst_err']:.1e}  {note[:300]}", flush=True)
-        if a.verbose:
-            print(json.dumps(row.get("detail", {}), default=str), row.get("coverage"), row["warnings"])
-    counts: Dict[str, int] = {}
-    for r in rows:
-        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
-    print(f"\n{len(rows)} cases: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+        return (f"{name:38s} {row['verdict']:16s} sites={','.join(row['sites']) or '-':28s} "
+                f"scale={'/'.join(row['scales']):16s} err={row['worst_err']:.1e}  {note[:300]}")
 
+    sweep_main(cases(), run_case, line,
+               lambda name, case, err: dict(case=name, verdict=f"ERROR {type(err).__name__}: {str(err)[:150]}",
+                                            sites=[], warnings=[], worst_err=0.0, scales=[]),
+               lambda row: f"{json.dumps(row.get('detail', {}), default=str)} {row.get('coverage')} {row['warnings']}")
 
 if __name__ == "__main__":
     sys.exit(main())
