@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import probe  # noqa: E402
-from sweep_common import sweep_main  # noqa: E402  (benchmarks/, run as a script)
+from sweep_common import agree, sweep_main  # noqa: E402  (benchmarks/, run as a script)
 
 try:  # optional: tiny keras_hub backbones (random weights, built from constructor arguments)
     import keras_hub  # noqa: E402
@@ -169,24 +169,6 @@ def pooled(refs: List[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
     with np.errstate(invalid="ignore", divide="ignore"):
         return dict(logit_var=acc["m2"] / acc["count"], logit_max=acc["max"], entropy=acc["ent"] / acc["rows"],
                     max_prob=acc["mp"] / acc["rows"])
-
-
-def agree(got: Dict[str, np.ndarray], ref: Dict[str, np.ndarray]) -> Tuple[bool, float]:
-    """Whether probe's per-head values match the reference within float32 rounding; the worst
-    relative (logits) / absolute (probabilities) error."""
-    worst, ok = 0.0, True
-    for m, (rel, ab) in dict(logit_var=(1e-4, 1e-6), logit_max=(1e-4, 1e-5), entropy=(0, 2e-5),
-                             max_prob=(0, 2e-5)).items():
-        g, r = np.asarray(got[m], float), np.asarray(ref[m], float)
-        if g.shape != r.shape:
-            return False, float("inf")
-        both_nan = np.isnan(g) & np.isnan(r)
-        err = np.where(both_nan, 0.0, np.abs(g - r))
-        tol = ab + rel * np.abs(r)
-        ok = ok and bool(np.all(np.nan_to_num(err, nan=np.inf) <= tol))
-        scale = np.abs(r) if rel else 1.0
-        worst = max(worst, float(np.nanmax(np.where(both_nan, 0.0, err / np.maximum(scale, 1e-12)))))
-    return ok, worst
 
 
 # -- running a case ---------------------------------------------------------------------------------------

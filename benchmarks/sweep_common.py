@@ -7,7 +7,29 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Callable, Dict, List, Mapping
+from typing import Any, Callable, Dict, List, Mapping, Tuple
+
+import numpy as np
+
+#: metric -> (relative, absolute) tolerance of a per-head value against its float64 reference:
+#: float32 rounding, relative on logits, absolute on probabilities
+TOLERANCES = dict(logit_var=(1e-4, 1e-6), logit_max=(1e-4, 1e-5), entropy=(0.0, 2e-5), max_prob=(0.0, 2e-5))
+
+
+def agree(got: Mapping[str, Any], ref: Mapping[str, Any]) -> Tuple[bool, float]:
+    """Whether probe's per-head values match the reference within :data:`TOLERANCES` (NaN where
+    both are NaN agrees); the worst relative (logits) / absolute (probabilities) error."""
+    worst, ok = 0.0, True
+    for m, (rel, ab) in TOLERANCES.items():
+        g, r = np.asarray(got[m], float), np.asarray(ref[m], float)
+        if g.shape != r.shape:
+            return False, float("inf")
+        both_nan = np.isnan(g) & np.isnan(r)
+        err = np.where(both_nan, 0.0, np.abs(g - r))
+        ok = ok and bool(np.all(np.nan_to_num(err, nan=np.inf) <= ab + rel * np.abs(r)))
+        scale = np.abs(r) if rel else 1.0
+        worst = max(worst, float(np.nanmax(np.where(both_nan, 0.0, err / np.maximum(scale, 1e-12)))))
+    return ok, worst
 
 
 def sweep_main(cases: Mapping[str, Any], run_case: Callable[[str, Any], Dict[str, Any]],

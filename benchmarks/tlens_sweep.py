@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 import probe
-from sweep_common import sweep_main  # noqa: E402  (benchmarks/, run as a script)
+from sweep_common import agree, sweep_main  # noqa: E402  (benchmarks/, run as a script)
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # HookedTransformer's own deprecation note
 from transformer_lens import HookedTransformer, HookedTransformerConfig  # noqa: E402
@@ -106,23 +106,6 @@ def _ref_layer(cache: Any, model: Any, n: int, factor: float = 1.0) -> Dict[str,
     pat = cache[pre + "hook_pattern"].double()
     ref["pattern_err"] = float((pat - torch.nan_to_num(p, nan=0.0)).abs().max())
     return ref
-
-
-def agree(got: Dict[str, np.ndarray], ref: Dict[str, Any]) -> Tuple[bool, float]:
-    """probe's per-head values against the reference: float32 rounding (relative on logits,
-    absolute on probabilities); the worst error."""
-    worst, ok = 0.0, True
-    for m, (rel, ab) in dict(logit_var=(1e-4, 1e-6), logit_max=(1e-4, 1e-5), entropy=(0, 2e-5),
-                             max_prob=(0, 2e-5)).items():
-        g, r = np.asarray(got[m], float), np.asarray(ref[m], float)
-        if g.shape != r.shape:
-            return False, float("inf")
-        both_nan = np.isnan(g) & np.isnan(r)
-        err = np.where(both_nan, 0.0, np.abs(g - r))
-        ok = ok and bool(np.all(np.nan_to_num(err, nan=np.inf) <= ab + rel * np.abs(r)))
-        scale = np.abs(r) if rel else 1.0
-        worst = max(worst, float(np.nanmax(np.where(both_nan, 0.0, err / np.maximum(scale, 1e-12)))))
-    return ok, worst
 
 
 # -- running a case ---------------------------------------------------------------------------------------
