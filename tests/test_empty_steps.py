@@ -288,3 +288,23 @@ def test_a_direct_forward_in_a_recording_window_is_measured_and_no_hook_is_left(
 
     assert _probe_messages(run) == []
     assert len(module_mod._global_forward_pre_hooks) == before
+
+
+def test_the_outside_watch_leaves_an_encoder_layers_fast_path_alone():
+    """``nn.TransformerEncoderLayer`` takes its fused fast path (eval, no grad) only without a
+    hook on it or inside it: the watch for parts run outside the root's forward must not put one
+    there (it did: every step of a watched ``Sequential(layer)`` then ran the unfused path, outputs
+    2.4e-7 off)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True).eval()
+    model = nn.Sequential(layer)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        bare = model(x)
+        with probe.watch(model, every=2) as p:
+            assert not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())
+            model(x)  # step 0: sampled
+            unsampled = model(x)  # step 1
+            assert not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())
+        assert p.summary().sites
+    assert torch.equal(unsampled, bare)

@@ -123,12 +123,14 @@ class EmptySteps:
         self._outside_armed = armed and not self.warned_outside
         model = self._model()
         if self._outside_armed and not self._outside and model is not None:
-            todo = list(model.children())
+            # an nn.TransformerEncoderLayer takes its fast path only without a hook on it or any
+            # module inside it: none is put there (a hook must never change what the model computes)
+            todo = [] if isinstance(model, nn.TransformerEncoderLayer) else list(model.children())
             while todo:
                 m = todo.pop(0)
                 if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
                     todo.extend(m.children())  # containers are not called: their children are
-                elif m is not model and not _builtin_leaf(m):
+                elif m is not model and not _builtin_leaf(m) and not isinstance(m, nn.TransformerEncoderLayer):
                     self._outside.append(m.register_forward_pre_hook(RootHook(self._seen_outside)))
 
     def _unhook_outside(self) -> None:
