@@ -241,7 +241,8 @@ class Probe:
         if self._aside(args, kwargs):  # the model runs as without probe
             self._aside.nested += self._life.in_forward  # its end must not end the running forward
             return None
-        self._recover_if_interrupted()
+        self._recover_if_interrupted()  # (which re-arms the watch for parts run outside a forward)
+        self._rec.empty_steps.outside(False)
         life = self._life
         if life.in_forward:  # the root called again from inside its own forward
             life.depth += 1

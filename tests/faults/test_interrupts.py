@@ -59,6 +59,19 @@ def test_state_is_restored_after_a_base_exception_in_a_sampled_forward(exc):
     assert _get_current_function_mode_stack() == [] and _global_hooks() == hooks_before
 
 
+def test_an_interrupted_forward_does_not_read_as_a_part_run_outside_the_next_one(recwarn):
+    # the recovery at the next forward's start re-armed the watch for parts run outside the
+    # root's forward, inside that forward: 'inner' was then said to run outside it
+    model = Interruptible(KeyboardInterrupt())
+    x = torch.randn(1, 4, 64)
+    with probe.watch(model):
+        model(x)
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+        model(x)
+    assert not [w for w in recwarn if "ran outside the watched module's forward" in str(w.message)]
+
+
 def test_state_is_restored_when_the_probe_is_asked_right_after_the_interrupt():
     model = Interruptible(KeyboardInterrupt(), when=0)
     p = probe.watch(model)
