@@ -362,7 +362,6 @@ class MHAFrontEnd(FrontEnd):
     def overrides_active(self) -> bool:
         return overrides.rules_active()  # variants do not reach nn.MultiheadAttention
 
-
     def has_pending(self) -> bool:
         return bool(self.pending)
 
