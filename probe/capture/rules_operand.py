@@ -145,7 +145,35 @@ def linear_sum(tracer: Any, op: Op) -> None:
             base = ra.base + alpha * rb.base if op.kind == K.ADD else ra.base - alpha * rb.base
         tracer.set(op.out, dataclasses.replace(ra, base=base, kv=None, ops=ra.ops + (op.name,)))
         return
+    if _adapter_sum(op, a, b, ra, rb):
+        return  # new features (no record): the factor is part of the projection, not a scale on q
     _touched(tracer, op)
+
+
+#: the spellings of an out-of-place factor (``t * s``, ``t / c``): an in-place one changed a tensor
+#: something else may hold
+_OUT_OF_PLACE_FACTOR = frozenset("mul __mul__ __rmul__ multiply div __truediv__ divide true_divide".split())
+
+
+def _adapter_sum(op: Op, a: Any, b: Any, ra: Any, rb: Any) -> bool:
+    """Whether ``a ± b`` adds a factor times one projection's output to another's, as an adapter
+    does (peft's LoRA: ``base(x) + lora_B(lora_A(x)) * s``): the factor scales part of q, which
+    is then ``(W + s·BA)·x``, a projection with another weight, not a scale on ``q·kᵀ``. Only
+    that shape counts: two distinct tensors of the output's full shape (no broadcast bias, no
+    parameter), one without a factor, the other exactly ``f·t`` (its one op the factor, no
+    layout change since), ``t`` not the other addend (``q + q·s`` is the factor ``1 + s``)."""
+    if not (isinstance(a, Tensor) and isinstance(b, Tensor) and isinstance(op.out, Tensor)) or _in_place(op, a):
+        return False
+    if op.out.dim() < 2 or a.shape != op.out.shape or b.shape != op.out.shape or not number(op.kwargs.get("alpha", 1)):
+        return False
+    plain, scaled = (a, rb) if ra is None else (b, ra) if rb is None else (None, None)
+    if plain is None or not isinstance(scaled, Operand) or isinstance(plain, torch.nn.Parameter):
+        return False
+    if scaled.base is None or scaled.opaque or scaled.factor_t is not None or len(scaled.ops) != 1 or \
+            scaled.ops[0] not in _OUT_OF_PLACE_FACTOR or \
+            scaled.merged is not None or scaled.kv is not None or scaled.batch_at is not None or scaled.lead is not None:
+        return False
+    return scaled.base.untyped_storage().data_ptr() != plain.untyped_storage().data_ptr()
 
 
 # -- ops linear in every tensor they take: replayed on the unscaled bases -----------------------------
