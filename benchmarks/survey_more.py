@@ -6,7 +6,9 @@ downloads; each skipped when not installed):
 - diffusers: ``UNet2DConditionModel`` (self- and cross-attention in its transformer blocks) with
   the default ``AttnProcessor2_0`` (SDPA) and the eager ``AttnProcessor`` (``baddbmm`` with the
   scale, softmax, ``bmm``, heads folded into the batch), and ``DiTTransformer2DModel``;
-- peft: LoRA adapters on Hugging Face Llama (sdpa and eager) and BERT, base model frozen;
+- peft: LoRA adapters on Hugging Face Llama (sdpa and eager) and BERT, base model frozen; LoRA on
+  GPT-2's fused ``c_attn`` (``Conv1D``), DoRA and rsLoRA on every attention projection of Llama,
+  IA3 on Llama's k and v;
 - fair-esm: ESM-2 (its own multi-head attention: q scaled, rotary embeddings, ``bmm`` over
   heads folded into the batch);
 - perceiver-pytorch: Perceiver (latent cross- and self-attention, ``einsum``);
@@ -71,20 +73,34 @@ def _dit() -> Tuple[nn.Module, tuple, dict]:
                                                              "class_labels": torch.tensor([1])}
 
 
-def _peft(arch: str, impl: str) -> Tuple[nn.Module, tuple, dict]:
+def _peft(arch: str, impl: str, variant: str = "lora") -> Tuple[nn.Module, tuple, dict]:
     import transformers as tr
-    from peft import LoraConfig, get_peft_model
+    from peft import IA3Config, LoraConfig, get_peft_model
 
     torch.manual_seed(0)
     if arch == "llama":
         config = tr.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                 num_key_value_heads=2, intermediate_size=64, attn_implementation=impl)
         base, targets = tr.LlamaForCausalLM(config), ["q_proj", "v_proj"]
+    elif arch == "gpt2":
+        config = tr.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, attn_implementation=impl)
+        base, targets = tr.GPT2LMHeadModel(config), ["c_attn"]
     else:
         config = tr.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                intermediate_size=64, attn_implementation=impl)
         base, targets = tr.BertModel(config), ["query", "value"]
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets)).eval()
+    if variant == "ia3":
+        adapter = IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"])
+    else:
+        options = {"dora": {"use_dora": True}, "rslora": {"use_rslora": True}}.get(variant, {})
+        if variant != "lora":
+            targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        adapter = LoraConfig(r=4, lora_alpha=8, target_modules=targets, fan_in_fan_out=arch == "gpt2", **options)
+    model = get_peft_model(base, adapter).eval()
+    with torch.no_grad():  # trained adapters: B (zero at init) and IA3's vectors (one at init) away from it
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "ia3_l" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.2)
     ids = torch.randint(3, VOCAB, (B, L), generator=torch.Generator().manual_seed(1))
     return model, (), {"input_ids": ids}
 
@@ -164,6 +180,9 @@ def more_cases() -> Iterator[Case]:
         for arch in ("llama", "bert"):
             for impl in ("sdpa", "eager"):
                 yield f"peft/lora_{arch}/{impl}", lambda a=arch, i=impl: _peft(a, i), _default
+        yield "peft/lora_gpt2/eager", lambda: _peft("gpt2", "eager"), _default
+        for variant in ("dora", "rslora", "ia3"):
+            yield f"peft/{variant}_llama/sdpa", lambda v=variant: _peft("llama", "sdpa", v), _default
     if have("esm"):
         yield "fair-esm/esm2", _esm, _default
     if have("perceiver_pytorch"):
