@@ -597,7 +597,7 @@ def versions() -> Dict[str, str]:
 _START, _END = "<!-- support table: start -->", "<!-- support table: end -->"
 _LIBRARY = {"hf": "Hugging Face transformers", "timm": "timm", "nanogpt": "nanoGPT / minGPT style (written here)",
             "rotary": "rotary-embedding-torch", "x-transformers": "x-transformers", "vit-pytorch": "vit-pytorch",
-            "diffusers": "diffusers", "peft": "peft (LoRA, base frozen)", "fair-esm": "fair-esm",
+            "diffusers": "diffusers", "peft": "peft (LoRA, DoRA, IA3; base frozen)", "fair-esm": "fair-esm",
             "perceiver-pytorch": "perceiver-pytorch", "flamingo-pytorch": "flamingo-pytorch",
             "reformer-pytorch": "reformer-pytorch"}
 
