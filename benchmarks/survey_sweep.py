@@ -152,7 +152,17 @@ def _unet_proc(kind: str) -> Tuple[nn.Module, tuple, dict]:
 # -- torchtune -------------------------------------------------------------------------------------
 def _torchtune(arch: str, mask: bool = False) -> Tuple[nn.Module, tuple, dict]:
     torch.manual_seed(0)
-    if arch == "llama3":
+    if arch in ("lora_llama3", "dora_llama3"):  # torchtune's own adapters: out + lora_b(lora_a(x)) * (alpha / r)
+        from torchtune.models.llama3 import lora_llama3
+
+        model = lora_llama3(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], vocab_size=VOCAB,
+                            num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=32,
+                            lora_rank=4, lora_alpha=8.0, use_dora=arch == "dora_llama3")
+        with torch.no_grad():  # trained adapters: lora_b (zero at init) moved off it
+            for name, p in model.named_parameters():
+                if "lora_b" in name:
+                    p.add_(torch.randn(p.shape, generator=_gen()) * 0.2)
+    elif arch == "llama3":
         from torchtune.models.llama3 import llama3
 
         model = llama3(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=32)
@@ -322,6 +332,8 @@ def sweep_cases(have: Callable[[str], bool]) -> Iterator[Case]:
         for arch in ("llama3", "qwen2"):
             yield f"torchtune/{arch}", lambda a=arch: _torchtune(a), _default
         yield "torchtune/llama3_packed_mask", lambda: _torchtune("llama3", True), _default
+        for arch in ("lora_llama3", "dora_llama3"):
+            yield f"torchtune/{arch}", lambda a=arch: _torchtune(a), _default
     if have("open_clip"):
         for v in ("default", "custom", "qk_norm", "scale_heads", "attn_pool"):
             yield f"open_clip/{v}", lambda v=v: _open_clip(v), _default
