@@ -21,7 +21,7 @@ from probe.capture import ops as K
 from probe.capture.eager_scores import rescaled, to_call, unfold
 from probe.capture.mode import reserve_site
 from probe.capture.records import Exp, ExpSum, LogProbs, Moved, Probs, Scores, Shift
-from probe.capture.rules import Op, default, rule, unknown
+from probe.capture.rules import Op, default, rule
 from probe.experiment import overrides
 
 __all__ = ["centred", "fire", "rewrite"]
@@ -107,12 +107,36 @@ def softmax(tracer: Any, op: Op) -> None:
 
 @rule(K.SOFTMAX, Moved)
 def softmax_moved(tracer: Any, op: Op) -> None:
-    """A softmax over permuted scores whose batch and head dims stayed (the queries attend over
-    ``scoresᵀ``): reported from its input, scale unknown. Over heads: not attention."""
+    """A softmax over permuted scores whose batch and head dims stayed: the keys attend over the
+    queries (``(σ·q·kᵀ + b)ᵀ = σ·k·qᵀ + bᵀ``, LookViT's reverse cross-attention reusing its
+    lookup's scores): recorded with q and k swapped and every bias and mask transposed, at the
+    scores' own scale. One probe cannot swap (grouped kv heads, heads mixed) is not recorded, and
+    the audit names it. Over heads: not attention."""
     x, moved = op.arg(0, "input"), op.subject
     if isinstance(moved.of, Scores) and _last_dim(op, x) and len(moved.perm) >= 3 \
             and moved.perm[:-2] == tuple(range(len(moved.perm) - 2)):
-        fire(tracer, op, unknown(moved.of, "a softmax over the transposed scores"), x, op.out)
+        node = _transposed(moved.of)
+        if node is not None:
+            fire(tracer, op, node, x, op.out)
+
+
+def _swap_last(t: Any) -> Any:
+    """A bias, mask or fill applied to ``(..., L, S)`` scores, for the ``(..., S, L)`` transpose."""
+    if not isinstance(t, Tensor) or t.dim() == 0:
+        return t
+    return (t.unsqueeze(0) if t.dim() == 1 else t).transpose(-1, -2)
+
+
+def _transposed(node: Scores) -> Optional[Scores]:
+    """The record of ``scoresᵀ`` (the last two dims swapped): k's rows are the queries."""
+    if node.mix is not None or node.q.shape[1] != node.k.shape[1] or node.q.shape[0] != node.k.shape[0]:
+        return None
+    names = {"q": "k", "k": "q"}
+    return dataclasses.replace(
+        node, q=node.k, k=node.q, operands=node.operands[::-1],
+        biases=tuple((_swap_last(t), c, layout) for t, c, layout in node.biases),
+        masks=tuple((_swap_last(m), inv, layout, _swap_last(fill)) for m, inv, layout, fill in node.masks),
+        grad_of=tuple((names.get(n, n), t, f) for n, t, f in node.grad_of))
 
 
 @rule(K.LOG_SOFTMAX, Scores)

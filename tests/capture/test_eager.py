@@ -406,20 +406,19 @@ def test_half_precision_casts_keep_q_k_v_for_gradients():
     assert {"grad_q", "grad_k", "grad_v", "grad_logits"} <= set(s.to_dict()["sites"]["root"]["metrics"])
 
 
-def test_transposed_scores_are_reported_with_unknown_scale():
+def test_transposed_scores_are_measured_with_q_and_k_swapped():
     # softmax over scoresᵀ (keys attend to queries) has the same shape when L == S but other
-    # values: (q, k, scale) do not describe it, so it is reported from the softmax input.
+    # values: it is the attention of (k, q) at the same scale (tests/capture/test_transposed_scores.py)
     class KeysAttend(nn.Module):
         def forward(self, q, k):
             self.z = (q @ k.transpose(-1, -2)).transpose(-1, -2)
             return torch.softmax(self.z, dim=-1)
 
     model = KeysAttend()
-    with pytest.warns(UserWarning, match="could not be recovered"):
-        with probe.watch(model) as p:
-            model(torch.randn(B, H, L, D), torch.randn(B, H, L, D))
+    with probe.watch(model) as p:
+        model(torch.randn(B, H, L, D), torch.randn(B, H, L, D))
     s = p.summary()
-    assert s.info("root")["scale"] is None
+    assert s.info("root")["scale"] == 1.0
     z = model.z.double()
     np.testing.assert_allclose(s.value("root", "logit_max"), z.amax((0, 2, 3)).numpy(), rtol=1e-6)
     np.testing.assert_allclose(s.value("root", "logit_var"), z.var((0, 2, 3), unbiased=False).numpy(), rtol=1e-5)
