@@ -324,6 +324,9 @@ def thirdparty_cases() -> Iterator[Case]:
         for name in ("vit", "simple_vit", "deepvit", "cait", "cross_vit", "local_vit", "nest", "cvt", "twins_svt",
                      "levit"):
             yield f"vit-pytorch/{name}", lambda name=name: _vit_pytorch(name), default
+        from benchmarks.vit_sweep import vit_cases
+
+        yield from vit_cases()  # the further modules, each with the scale its own code applies
 
 
 def _vit_pytorch(name: str) -> Tuple[nn.Module, tuple, dict]:
