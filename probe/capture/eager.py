@@ -199,7 +199,7 @@ class EagerFrontEnd(FrontEnd):
         a mix with other records: a channels-first projection ``W @ x`` that is no attention): it
         runs as if they carried no record, as before probe followed them; changed in place, they
         carry none."""
-        hidden = [(t, self._table.pop(id(t))) for t, _, r in seen if learned(r)]
+        hidden = [(t, self._table.pop(id(t))) for t in {id(t): t for t, _, r in seen if learned(r)}.values()]
         try:
             out = self.handle(func, args, kwargs, emit)
         finally:
