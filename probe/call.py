@@ -56,7 +56,8 @@ class AttentionCall:
             model's own tensor (q with a scalar factor taken out, k behind a ``repeat_kv`` copy, a
             5-D q flattened to 4-D, an einsum operand permuted, probabilities of ``(H·B, L, S)``
             head-major rows recorded as ``(B, H, L, S)``): ``(tensor, fn)``, the model's own
-            tensor to hook and how its gradient becomes the record's (``fn(grad)``).
+            tensor to hook and how its gradient becomes the record's (``fn(grad)``); ``(None, why)``
+            when that gradient cannot be measured (learned queries broadcast over the batch).
         scale_from: where the scale came from, in words (``info["scale_from"]``).
         head_dim: ``d_k`` when it is not ``q.shape[-1]``: heads mixed before the softmax (talking
             heads) are recorded as ``q'_g = [M_1g·q_1, ..., M_Hg·q_H]`` and ``k'_g = [k_1, ...,

@@ -37,11 +37,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from probe.capture import ops as K
 from probe.capture import rules_operand, rules_products, rules_scores, rules_softmax  # noqa: F401 - registration
 from probe.capture.frontend import Emit, FrontEnd
 from probe.capture.mode import running_modules, running_site
 from probe.capture.ops import ATTENTION, DIV, FIRST, MUL, OPS, OTHER, PERMUTE, SOFTMAX, STARTS, TRANSPOSE, VIEW
-from probe.capture.records import PRIORITY, Derived, Operand, Probs, Scores
+from probe.capture.records import PRIORITY, Derived, Operand, Probs, Scores, learned
 from probe.capture.rules import BEFORE, Op, find, unknown
 from probe.capture.rules_softmax import rewrite
 from probe.experiment import overrides
@@ -53,6 +54,12 @@ __all__ = ["EagerFrontEnd", "HEAD_ATTRS"]
 #: x-transformers, nanoGPT, vit-pytorch, fairseq, ...)
 HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "heads", "nhead", "num_head",
               "attention_heads", "n_heads_q", "head_count")
+
+
+#: the op kinds between learned-query scores and their softmax (factors, biases, masks, a soft cap,
+#: floors, casts, views, the softmax in any spelling); any other op forgets them (_forget_learned)
+_TO_SOFTMAX = frozenset({K.MUL, K.DIV, K.ADD, K.SUB, K.MASKED_FILL, K.WHERE, K.TANH, K.FLOOR, K.MAX, K.CAST,
+                         K.DETACH, K.VIEW, K.SOFTMAX, K.LOG_SOFTMAX, K.EXP, K.LSE, K.SUM})
 
 
 def _version(t: Tensor) -> int:
@@ -145,6 +152,9 @@ class EagerFrontEnd(FrontEnd):
             return func(*args, **kwargs)  # only applying overrides, and none reaches eager attention
         kind = OPS.get(func, OTHER)
         seen = self._inputs(args, kwargs)
+        follow = [r for _, _, r in seen if learned(r)]
+        if follow and (kind not in _TO_SOFTMAX or len(follow) < len(seen)):
+            return self._forget_learned(func, args, kwargs, emit, seen)
         if not seen and kind not in STARTS:
             return func(*args, **kwargs)
         records = {id(t): r for t, _, r in seen}
@@ -174,9 +184,28 @@ class EagerFrontEnd(FrontEnd):
         op.out = out
         changed = [(t, self._table.get(id(t))) for t, v, r in seen if _version(t) != v]  # in place: the rule judges it
         self._run(find(kind, subject), op)
+        if follow:  # learned queries: only scores (or a softmax of them) come out, else nothing
+            for t in op.outs:
+                if not (learned(self.get(t)) or isinstance(self.get(t), Probs)):
+                    self.set(t, None)
         for t, entry in changed:  # a record no rule set again describes t before the change
             if entry is not None and self._table.get(id(t)) is entry:
                 self.set(t, self._stale(entry[1], f"`{op.name}` in place"))
+        return out
+
+    def _forget_learned(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                        emit: Optional[Emit], seen: List[Tuple[Tensor, int, Any]]) -> Any:
+        """An op off the way from learned-query scores to their softmax (a product, a permutation,
+        a mix with other records: a channels-first projection ``W @ x`` that is no attention): it
+        runs as if they carried no record, as before probe followed them; changed in place, they
+        carry none."""
+        hidden = [(t, self._table.pop(id(t))) for t in {id(t): t for t, _, r in seen if learned(r)}.values()]
+        try:
+            out = self.handle(func, args, kwargs, emit)
+        finally:
+            for t, entry in hidden:
+                if _version(t) == entry[2] and id(t) not in self._table:
+                    self._table[id(t)] = entry
         return out
 
     def _run(self, fn: Callable[..., None], op: Op) -> None:

@@ -17,8 +17,9 @@ from torch import Tensor
 from probe.call import AttentionCall
 from probe.capture.records import Operand, Scores
 
-__all__ = ["MASK_BIAS", "MASK_FILL", "factor", "grad_map", "head_mix", "heads_of", "lift", "number", "permuted",
-           "prescale_factor", "repeat_kv", "rescaled", "reshaped", "scaled", "to_call", "unfold", "windowed"]
+__all__ = ["MASK_BIAS", "MASK_FILL", "broadcasts", "factor", "grad_map", "head_mix", "heads_of", "lift", "number",
+           "permuted", "prescale_factor", "repeat_kv", "rescaled", "reshaped", "scaled", "to_call", "unfold",
+           "windowed"]
 
 #: A floor at or below this only touches masked entries (``torch.max(scores, finfo.min)``).
 MASK_FILL = -1e4
@@ -234,7 +235,7 @@ def to_call(node: Scores, logits: Tensor) -> AttentionCall:
         # additive -1e4) still say which keys are masked: a finite fill is a logit of the
         # softmax input, and counted as one it made a causal call's logit_var 2.5e17
         z = lift(logits, logits.dim(), node)
-        if valid is not None and not _broadcasts(valid.shape, z.shape):
+        if valid is not None and not broadcasts(valid.shape, z.shape):
             valid = None  # (keys joined after the mask: an attention sink) fill values then count
         return AttentionCall(q=node.q, k=node.k, v=None, scale=None, logits=z, mask=valid, kind="eager",
                              grad_of=grad_of, scale_unknown=node.unknown or "`tanh` without its factor")
@@ -246,7 +247,7 @@ def to_call(node: Scores, logits: Tensor) -> AttentionCall:
                          head_dim=node.head_dim, scale_unknown=node.unattributed)
 
 
-def _broadcasts(shape: Tuple[int, ...], to: Tuple[int, ...]) -> bool:
+def broadcasts(shape: Tuple[int, ...], to: Tuple[int, ...]) -> bool:
     """Whether a tensor of ``shape`` broadcasts to ``to`` (the softmax input's shape)."""
     return len(shape) <= len(to) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(to)))
 

@@ -122,6 +122,26 @@ class _Record:
         self.strong = None
 
 
+def _made_from(other: Tensor, t: Tensor, depth: int = 6) -> bool:
+    """Whether ``other`` is computed from ``t`` within ``depth`` autograd steps (``other =
+    t.transpose(-1, -2)``): then ``t``'s gradient holds ``other``'s. Outputs of one node (q, k, v
+    of ``qkv.unbind()``) are told apart by their output number: siblings are not made from each other."""
+    target, nr = t.grad_fn, t.output_nr
+    frontier, seen = list(getattr(other.grad_fn, "next_functions", ())), set()
+    for _ in range(depth):
+        nxt = []
+        for node, index in frontier:
+            if node is None:
+                continue
+            if (node is target and index == nr) or (target is None and getattr(node, "variable", None) is t):
+                return True  # (AccumulateGrad: t a leaf)
+            if node not in seen:
+                seen.add(node)
+                nxt.extend(node.next_functions)
+        frontier = nxt
+    return False
+
+
 class BackwardHooks:
     """Registers and owns the backward hooks of one probe.
 
@@ -150,9 +170,9 @@ class BackwardHooks:
 
         Nothing is registered when grad mode is off or no tensor requires grad (inference), so
         grad metrics are then absent, not zero. Tensors passed as more than one of q, k, v (the
-        same object) are skipped for grad_q/k/v: autograd gives only their summed gradient. A
-        call whose scale is unknown and that carries no logits gets no output hook (its logits
-        cannot be rebuilt).
+        same object, or one a view of the other: ``k = x.transpose(-1, -2)``, ``v = x``) are
+        skipped for grad_q/k/v: autograd gives only their summed gradient. A call whose scale is
+        unknown and that carries no logits gets no output hook (its logits cannot be rebuilt).
         """
         self.last_plan = {}
         if not torch.is_grad_enabled():
@@ -191,8 +211,9 @@ class BackwardHooks:
         targets = {name: sources.get(name, (t, None)) for name, t in (("q", call.q), ("k", call.k), ("v", call.v))}
         for name, (t, fn) in targets.items():
             if not isinstance(t, Tensor):
-                plan[name] = (f"its {name} was not recorded (probabilities that met no P·v probe follows, or an "
-                              "eager call recorded at its softmax because its scale is unknown)")
+                plan[name] = fn if isinstance(fn, str) else (  # (None, why): the front end said why not
+                    f"its {name} was not recorded (probabilities that met no P·v probe follows, or an eager call "
+                    "recorded at its softmax because its scale is unknown)")
                 continue
             if not t.requires_grad:
                 plan[name] = ("the tensor does not require grad there (computed from frozen weights and inputs: e.g. "
@@ -203,6 +224,12 @@ class BackwardHooks:
             if shared:
                 plan[name] = (f"{name} is the same tensor as {' and '.join(shared)}: autograd gives only their "
                               "summed gradient")
+                continue
+            within = [other_name for other_name, (other, _) in targets.items()
+                      if other_name != name and isinstance(other, Tensor) and _made_from(other, t)]
+            if within:  # k = x.transpose(-1, -2), v = x (vit-pytorch's PatchMerger): x's gradient holds k's too
+                plan[name] = (f"{' and '.join(within)} is computed from the tensor passed as {name} (a view of it): "
+                              f"autograd gives {name} only their summed gradient")
                 continue
             plan[name] = None
             self._handles.append(t.register_hook(self._input_hook(name, key, step, fn)))

@@ -33,9 +33,9 @@ from torch import Tensor
 from probe.call import AttentionCall
 
 __all__ = ["Derived", "Exp", "ExpSum", "LogProbs", "Moved", "Operand", "PRIORITY", "Probs", "Scores", "Shift",
-           "Slice"]
+           "Slice", "learned"]
 
-GradOf = Tuple[Tuple[str, Tensor, Callable[[Tensor], Tensor]], ...]
+GradOf = Tuple[Tuple[str, Optional[Tensor], Any], ...]  # (name, tensor, fn), or (name, None, why not measured)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +105,7 @@ class Scores:
     mix: Optional[Tuple["Scores", Tensor, int]] = None  # (scores before the mix, M (H, G), biases it made)
     operands: Tuple[Optional[Operand], Optional[Operand]] = (None, None)  # q's and k's records at the product
     heads_from: Optional[str] = None  # how the heads of a (B·H, L, d) product were found, when not seen
+    learned: bool = False  # q is a parameter (learned queries): followed only on the way to its softmax (learned())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,3 +196,12 @@ class Probs:
 
 #: which input's record decides the rule of an op (the first kind found among its inputs)
 PRIORITY: Tuple[type, ...] = (Scores, Moved, Exp, LogProbs, Shift, ExpSum, Probs, Slice, Derived, Operand)
+
+
+def learned(record: Any) -> bool:
+    """Whether ``record`` is on the way from learned-query scores (``Scores.learned``: a parameter
+    times an activation's tokens, :func:`probe.capture.rules_products.start`) to their softmax: the
+    scores, or a step of a softmax spelled out over them."""
+    while isinstance(record, (Shift, LogProbs, Exp, ExpSum)):
+        record = record.of
+    return isinstance(record, Scores) and record.learned

@@ -6,8 +6,16 @@ A product of two batched activations (``matmul``, ``@``, ``bmm``, ``baddbmm``, a
 einsum's operands permuted into ``(..., L, d)`` / ``(..., S, d)``). The operands' own records
 give their factors, whichever side carries them and whatever permutes them on the way (the same
 map is applied to the record's unscaled ``base`` as to the operand); an *opaque* operand gives
-scores whose scale cannot be attributed. A product with a weight (a parameter, a 2-D matrix) is a
-projection: its output starts new features (no record).
+scores whose scale cannot be attributed. A product with a weight (a parameter or a view of one) is a
+projection: its output starts new features (no record), except on the left of a batched activation:
+
+*learned queries* (vit-pytorch's ``PatchMerger``: ``softmax(self.queries @ xᵀ · s) @ x``, attention
+pooling): a weight ``(..., N, d)`` times an activation ``(B, ..., d, T)`` over the features starts
+``Scores.learned``, ``q`` the weight broadcast to the batch (``(B, 1, N, d)``; ``(B, H, N, d)``, heads
+split), ``k`` the tokens: a call only at a softmax over the tokens (the last dim); any op that is not on
+the way to it forgets the record (:meth:`~probe.capture.eager.EagerFrontEnd.handle`). A weight on the
+right (``x @ Wᵀ``, ``F.linear``: a classifier, a router) or a softmax over the weight's rows stays a
+projection. grad_q is measured when the model expanded the weight to the batch itself, else named.
 
 The model's own operands carry the gradient hooks: a record made from them (a permutation, a
 reshape, an un-repeated kv head, a factor taken out) says how their gradient becomes its own
@@ -23,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from probe.capture import ops as K
-from probe.capture.eager_scores import grad_map, head_mix, heads_of, number, permuted, unfold, windowed
+from probe.capture.eager_scores import broadcasts, grad_map, head_mix, heads_of, number, permuted, unfold, windowed
 from probe.capture.records import Derived, Moved, Operand, Probs, Scores
 from probe.capture.rules import Op, default, rule, unknown
 
@@ -57,13 +65,18 @@ def start(tracer: Any, op: Op, own_a: Any, own_b: Any, q_of: Map = _same, k_of: 
     (``(..., S, d)``), with the factors their records carry taken out into the scale."""
     if not (isinstance(own_a, Tensor) and isinstance(own_b, Tensor) and isinstance(op.out, Tensor)):
         return None
-    if own_a.dim() < 3 or own_b.dim() < 3 or weight(own_a) or weight(own_b):
+    learned = weight(own_a) and own_a.dim() >= 2  # learned queries (see the module docstring)
+    if own_a.dim() < (2 if learned else 3) or own_b.dim() < 3 or (weight(own_a) and not learned) or weight(own_b):
         return None
     ra, rb = op.rec(own_a), op.rec(own_b)
     ra = ra if isinstance(ra, Operand) else None
     rb = rb if isinstance(rb, Operand) else None
     q = q_of(ra.base if ra is not None and ra.base is not None else own_a)
     k = k_of(rb.base if rb is not None and rb.base is not None else own_b)
+    per_row = not learned
+    if learned and q.dim() <= k.dim() and q.shape[-1] == k.shape[-1] and broadcasts(q.shape[:-2], k.shape[:-2]):
+        per_row = tuple(q.shape[:-2]) == tuple(k.shape[:-2])  # the model's own q holds every batch row
+        q = q if per_row else q.expand(*k.shape[:-2], *q.shape[-2:])
     if q.dim() != k.dim():
         return None
     scale_t: Optional[Tensor] = None
@@ -109,13 +122,17 @@ def start(tracer: Any, op: Op, own_a: Any, own_b: Any, q_of: Map = _same, k_of: 
             q, k = q.unsqueeze(1), k.unsqueeze(1)
     if k.shape[0] not in (1, q.shape[0]) or q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1]:
         return None
-    grads = [("q", grad_map(own_a, q, factors[0], pre=None if q_of is _same else q_of)),
+    grads = [("q", grad_map(own_a, q, factors[0], pre=None if q_of is _same else q_of) if per_row else (None, _SHARED)),
              ("k", grad_map(own_b, k, factors[1], pre=k_of))]
     opaque = next((r.opaque for r in (ra, rb) if r is not None and r.opaque), None)
     return Scores(q=q, k=k, ndim=op.out.dim(), merged=merged, scale=scale, scale_t=scale_t,
                   grad_of=tuple((n, *g) for n, g in grads if g is not None),
                   scale_from=("; ".join(how) + " before q·kᵀ") if how else None,
-                  unattributed=opaque, operands=(ra, rb), heads_from=heads_from)
+                  unattributed=opaque, operands=(ra, rb), heads_from=heads_from, learned=learned)
+
+
+_SHARED = ("q is a parameter shared by every batch row (learned queries broadcast in the product): autograd "
+           "gives only its gradient summed over the batch, not each row's")
 
 
 def _heads(tracer: Any, q: Tensor, ra: Optional[Operand], rb: Optional[Operand]) -> Tuple[Optional[tuple],
