@@ -162,6 +162,9 @@ def _torchtune(arch: str, mask: bool = False) -> Tuple[nn.Module, tuple, dict]:
             for name, p in model.named_parameters():
                 if "lora_b" in name:
                     p.add_(torch.randn(p.shape, generator=_gen()) * 0.2)
+        for module in model.modules():  # DoRA's magnitude is torch.empty until this (torchtune's recipes call it
+            if hasattr(module, "initialize_dora_magnitude"):  # after loading weights): garbage, up to 1e27, otherwise
+                module.initialize_dora_magnitude()
     elif arch == "llama3":
         from torchtune.models.llama3 import llama3
 
