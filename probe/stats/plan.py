@@ -40,7 +40,7 @@ from probe.stats.chunks import MASK_BIAS, accumulation_dtype, cache_chunk_rows, 
 from probe.stats.masks import key_validity, simplify
 from probe.stats.sampling import Design, row_design, sample_rows
 
-__all__ = ["LOGIT_BOUND", "PATHS", "KEEP_EXPS_BYTES", "SAMPLED_BYTES", "CallPlan", "absmax", "backward_step", "blocked_keys",
+__all__ = ["CENTRED_MIN_SCALE", "LOGIT_BOUND", "PATHS", "KEEP_EXPS_BYTES", "SAMPLED_BYTES", "CallPlan", "absmax", "backward_step", "blocked_keys",
            "chunk_picks", "group_scales", "inputs_finite", "plan_call", "proven_finite", "shiftable"]
 
 PATHS = ("centred", "key_blocks", "shifted", "general", "logits")
@@ -48,6 +48,12 @@ PATHS = ("centred", "key_blocks", "shifted", "general", "logits")
 #: Logits proven at most this large in size (:func:`inputs_finite`) let the centred path mask with
 #: a finite value below every one of them.
 LOGIT_BOUND = 2.0**90
+
+#: The smallest scale the centred paths take: they mask with the finite ``-2¹⁰⁰``
+#: (:data:`probe.stats.paths.centred.NEG`), whose exponential ``exp(σ·(-2¹⁰⁰ - r))`` is 0 only while
+#: ``σ·2¹⁰⁰`` is far above float32's exponent range; at ``σ = 1e-41`` masked keys counted
+#: (normalized entropy 1.56). Smaller scales go to the shifted path (``-inf`` masks).
+CENTRED_MIN_SCALE = 2.0**-80
 
 #: Bytes of the centred path's buffer of gathered sampled rows (and of their exponentials').
 SAMPLED_BYTES = 8 * 2**20
@@ -206,7 +212,8 @@ def plan_call(call: AttentionCall, scales: Mapping[str, Optional[Scale]], budget
     if not shiftable(call, values):
         proven, bias_masks = proven_finite(call, values)
         return call, CallPlan("general", step=step, proven=proven, bias_masks=bias_masks, **common)  # type: ignore[arg-type]
-    supported, valid, causal = key_validity(call) if inputs_finite(call) else (False, None, False)
+    supported, valid, causal = key_validity(call) if inputs_finite(call) and \
+        min(float(v) for v in values) >= CENTRED_MIN_SCALE else (False, None, False)  # type: ignore[arg-type]
     if not supported:
         return call, CallPlan("shifted", step=step, **common)  # type: ignore[arg-type]
     blocked = blocked_keys(call, valid, step, None if positions is None else positions.shape[0], budget_bytes)
