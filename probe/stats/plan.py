@@ -166,9 +166,11 @@ def group_scales(scales: Mapping[str, Optional[Scale]]) -> Tuple[Tuple[Tuple[str
 
 
 def shiftable(call: AttentionCall, values: Sequence[Optional[Scale]]) -> bool:
-    """Whether the shifted paths apply: no bias, no softcap, finite positive float scales."""
+    """Whether the shifted paths apply: no bias, no softcap, finite positive float scales that stay
+    normal float32 numbers (``σ·log₂e`` is a float32 factor there: one that rounds to 0 makes a
+    masked key's ``0·(−inf)`` NaN; the general path scales the logits before it masks)."""
     return call.bias is None and call.softcap is None and all(
-        v is not None and not isinstance(v, Tensor) and 0.0 < float(v) < 1e30 for v in values
+        v is not None and not isinstance(v, Tensor) and 2.0**-125 <= float(v) < 1e30 for v in values
     )
 
 
