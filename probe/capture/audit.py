@@ -22,6 +22,10 @@ Rules (a taint follows the scores from the product to the softmax):
   (``log_softmax(x)``, ``x - logsumexp(x)``), ``e / e.sum(-1)`` of an ``e = exp(scores)``
   (:mod:`probe.capture.audit_taint`: the same op vocabulary as the eager tracer,
   :mod:`probe.capture.ops`);
+* weights that are not a softmax probe measures are events it names, never measures:
+  ``F.gumbel_softmax`` of scores (its noise is drawn inside one call), and a sigmoid of the scores
+  of one product (no norm or other product since) once it multiplies an activation (sigmoid
+  attention, ``sigmoid(q·kᵀ·s) @ v``);
 * a tensor produced where the audit could not see (a TorchScript function, a C++ extension) has
   no taint; with autograd on, a softmax input whose graph reaches a tainted tensor within a few
   nodes is still an event ("went through code probe cannot see");
@@ -43,13 +47,16 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from probe.capture.audit_taint import (ATTENTION, CUTS, DIV, EXP, GRAPH_CUTS, GRAPH_DEPTH, LOG_SOFTMAX, PRODUCTS,
-                                       SOFTMAX, Event, Taint, keeps_scores, operands, step, tensors_in)
-from probe.capture.ops import name_of
+from probe.capture.audit_taint import (ATTENTION, CUTS, DIV, EXP, GRAPH_CUTS, GRAPH_DEPTH, GUMBEL, LOG_SOFTMAX,
+                                       PRODUCTS, SIGMOID, SOFTMAX, Event, Taint, keeps_scores, operands, step,
+                                       tensors_in)
+from probe.capture.ops import NORM, funcs_of, name_of
 
 __all__ = ["Audit", "Event"]
 
 _name = name_of
+#: ops after which a tensor is no longer the scores of one product (another product, a norm)
+_NOT_SCORES = frozenset(map(name_of, PRODUCTS | funcs_of(NORM)))
 
 
 class Audit(TorchFunctionMode):
@@ -206,6 +213,11 @@ class Audit(TorchFunctionMode):
             return self._attention_op(func, kind, args, kwargs)
         if func in SOFTMAX or func in LOG_SOFTMAX:
             return self._softmax(func, args, kwargs)
+        if func in GUMBEL:  # one call the modes cannot look into: its softmax is named, not measured
+            with torch._C.DisableTorchFunction():
+                taint = self._taint(args[0] if args else kwargs.get("logits"))
+            if taint is not None:
+                return self._around(dataclasses.replace(self._event(taint), kind="gumbel_softmax"), func, args, kwargs)
         with torch._C.DisableTorchFunction():  # the audit's own reads of tensors are not the model's ops
             try:
                 event = self._spelled(func, args, kwargs)
@@ -318,6 +330,10 @@ class Audit(TorchFunctionMode):
         if func in PRODUCTS:
             pair = operands(func, args, kwargs)
             if pair is not None and not any(self._is_const(t) for t in pair):
+                for t in pair:  # sigmoid(scores) @ v: sigmoid attention (named, not measured)
+                    weights = getattr(self._taint(t), "weights", None)
+                    if weights is not None and weights not in self.events:
+                        self.events.append(weights)
                 shapes = " × ".join(str(tuple(t.shape)) for t in pair)
                 for t in outs:
                     self._set(t, Taint(ops=(name,), shapes=shapes))
@@ -330,6 +346,9 @@ class Audit(TorchFunctionMode):
         if func in CUTS and (taint.axis is None or taint.axis == -1):
             return  # a linear layer over the keys: an output layer; over the heads (axis moved) a mix
         taint = step(func, args, kwargs, taint, outs, self._taint)
+        if func in SIGMOID and inputs[0].dim() >= 3 and not any(op in _NOT_SCORES for op in taint.ops[1:]):
+            # weights of sigmoid attention once they multiply v (scores from one product, no norm since)
+            taint = dataclasses.replace(taint, weights=dataclasses.replace(self._event(taint), kind="sigmoid"))
         targets = outs
         if out is None or name.endswith("_") or name == "__setitem__":
             first = args[0] if args else None

@@ -34,6 +34,12 @@ SUB = funcs_of(ops.SUB)
 MOVES = funcs_of(ops.TRANSPOSE, ops.PERMUTE)
 CUTS = ops.CUTS  # a convolution over heads (talking heads) keeps scores; a linear layer over them too
 ATTENTION = {F.scaled_dot_product_attention: "sdpa", F.multi_head_attention_forward: "mha"}
+#: a normalisation over the scores that is not a softmax probe measures: an event ("named, not
+#: measured"); F.gumbel_softmax draws its noise inside one call the modes cannot look into, a
+#: sigmoid (sigmoid attention) is an event once its output multiplies an activation (``P @ v``)
+GUMBEL = frozenset({F.gumbel_softmax})
+SIGMOID = frozenset(f for f in (torch.sigmoid, F.sigmoid, torch.special.expit, Tensor.sigmoid,
+                                torch._C.TensorBase.sigmoid) if f is not None)
 #: how far back the autograd graph is searched for scores that went through unseen code
 GRAPH_DEPTH = 24
 #: autograd nodes of contractions with weights: the search stops there (what lies behind is
@@ -51,6 +57,7 @@ class Taint:
     lse: bool = False  # a logsumexp of the scores over the keys
     logprobs: Optional["Event"] = None  # log_softmax of the scores: its event (exp of it completes it)
     lse_centred: bool = False  # scores - logsumexp(scores): log-probabilities (exp of them is the softmax)
+    weights: Optional["Event"] = None  # sigmoid(scores): its event (a product with an activation completes it)
 
 
 @dataclasses.dataclass
@@ -73,6 +80,10 @@ class Event:
         if self.unseen:
             return ("the scores reached the softmax through code probe cannot see (a TorchScript function or "
                     "a C++ extension)")
+        if self.kind == "gumbel_softmax":
+            return "F.gumbel_softmax over the scores (its Gumbel noise is drawn inside the call: not measured)"
+        if self.kind == "sigmoid":
+            return "sigmoid attention (a sigmoid over the scores, not a softmax: not measured)"
         if self.kind != "softmax":
             return f"the {self.kind} call was not understood"
         if self.dim is not None:
