@@ -314,6 +314,9 @@ def thirdparty_cases() -> Iterator[Case]:
         for name, kw in variants.items():
             yield f"x-transformers/{name}", lambda kw=kw: _xt(kw), (
                 _expected(10.0) if "qk_norm" in name and "dim_scale" not in name else default)  # qk_norm_scale
+        from benchmarks.xt_sweep import xt_cases
+
+        yield from xt_cases()  # further options, masks, cross-attention, KV cache (each with its own scale)
 
 
     try:
