@@ -50,13 +50,16 @@ from torch.utils.hooks import RemovableHandle
 from probe.capture.audit_taint import (ATTENTION, CUTS, DIV, EXP, GRAPH_CUTS, GRAPH_DEPTH, GUMBEL, LOG_SOFTMAX,
                                        PRODUCTS, SIGMOID, SOFTMAX, Event, Taint, keeps_scores, operands, step,
                                        tensors_in)
-from probe.capture.ops import NORM, funcs_of, name_of
+from probe.capture.ops import (CAST, DETACH, DIV as DIV_, DROPOUT, EXPAND, INDEX, MASKED_FILL, MUL, NORM, PERMUTE,
+                               TRANSPOSE, VIEW, WHERE, funcs_of, name_of)
 
 __all__ = ["Audit", "Event"]
 
 _name = name_of
 #: ops after which a tensor is no longer the scores of one product (another product, a norm)
 _NOT_SCORES = frozenset(map(name_of, PRODUCTS | funcs_of(NORM)))
+#: ops between a sigmoid of scores and its product with v that keep it the weights
+_KEEP_WEIGHTS = funcs_of(CAST, DETACH, DROPOUT, VIEW, TRANSPOSE, PERMUTE, EXPAND, INDEX, MASKED_FILL, WHERE, MUL, DIV_)
 
 
 class Audit(TorchFunctionMode):
@@ -349,6 +352,8 @@ class Audit(TorchFunctionMode):
         if func in SIGMOID and inputs[0].dim() >= 3 and not any(op in _NOT_SCORES for op in taint.ops[1:]):
             # weights of sigmoid attention once they multiply v (scores from one product, no norm since)
             taint = dataclasses.replace(taint, weights=dataclasses.replace(self._event(taint), kind="sigmoid"))
+        elif taint.weights is not None and func not in _KEEP_WEIGHTS:
+            taint = dataclasses.replace(taint, weights=None)  # not the weights any more (a conv, a sum...)
         targets = outs
         if out is None or name.endswith("_") or name == "__setitem__":
             first = args[0] if args else None

@@ -50,6 +50,8 @@ class Attn(nn.Module):
         else:
             p = s.softmax(-1)
         out = torch.einsum("bhij,bhjd->bhid", p, v)
+        if self.kind == "summed":  # a sigmoid of the scores summed over the keys: not weights any more
+            out = out + F.sigmoid(s).sum(-1, keepdim=True).transpose(-1, -2) @ v
         return out.transpose(1, 2).reshape(B, L, W)
 
 
@@ -92,7 +94,8 @@ def test_an_attention_that_is_not_a_softmax_is_named(kind: str, why: str) -> Non
         np.testing.assert_allclose(s.value("blocks.0", metric, "actual"), ref[metric], rtol=1e-5, atol=1e-6)
 
 
-def test_a_sigmoid_gate_over_normed_scores_is_not_attention() -> None:
+@pytest.mark.parametrize("kind", ["gated", "summed"])
+def test_a_sigmoid_that_is_not_attention_weights_is_quiet(kind: str) -> None:
     torch.manual_seed(0)
-    report = probe.coverage(Net(["gated"]), torch.randn(B, L, W))
+    report = probe.coverage(Net([kind]), torch.randn(B, L, W))
     assert [(r.site, r.captured) for r in report.rows] == [("blocks.0", True)], report.rows
