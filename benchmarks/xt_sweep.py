@@ -122,6 +122,26 @@ def _seeded(built: Tuple[nn.Module, tuple, dict]) -> Tuple[nn.Module, tuple, dic
     return built
 
 
+def _xtransformer(flash: bool) -> Tuple[nn.Module, tuple, dict]:
+    """``XTransformer``: encoder-decoder with a source mask (returns the loss on ``tgt``)."""
+    from x_transformers import XTransformer
+
+    torch.manual_seed(0)
+    model = XTransformer(dim=32, enc_num_tokens=VOCAB, enc_depth=1, enc_heads=4, enc_max_seq_len=16,
+                         enc_attn_dim_head=8, enc_attn_flash=flash, dec_num_tokens=VOCAB, dec_depth=1, dec_heads=4,
+                         dec_max_seq_len=16, dec_attn_dim_head=8, dec_attn_flash=flash)
+    return model.eval(), (_ids(), _ids(6)), {"mask": _mask()}
+
+
+def _continuous() -> Tuple[nn.Module, tuple, dict]:
+    """``ContinuousTransformerWrapper`` over vectors, an encoder with a padding mask."""
+    from x_transformers import ContinuousTransformerWrapper, Encoder
+
+    torch.manual_seed(0)
+    model = ContinuousTransformerWrapper(dim_in=12, dim_out=5, max_seq_len=16, attn_layers=Encoder(**_KW))
+    return model.eval(), (torch.randn(B, L, 12, generator=_gen()),), {"mask": _mask()}
+
+
 def _twice(s: torch.Tensor) -> torch.Tensor:
     return F.softmax(2 * s, dim=-1)
 
@@ -181,6 +201,9 @@ _CASES = [
     ("dec_rel_pos_mask", lambda: _dec(dict(rel_pos_bias=True), mask=True), _head),
     ("enc_alibi_mem_kv_mask", lambda: _enc(dict(alibi_pos_bias=True, attn_num_mem_kv=2)), _head),
     ("dec_max_attend_past_flash", lambda: _dec(dict(attn_max_attend_past=3, attn_flash=True)), _head),
+    ("xtransformer_mask", lambda: _xtransformer(False), _head),
+    ("xtransformer_mask_flash", lambda: _xtransformer(True), _head),
+    ("continuous_mask", _continuous, _head),
     ("generate_kv_cache", lambda: _generate({}), _head),
     ("generate_kv_cache_flash", lambda: _generate(dict(attn_flash=True)), _head),
     ("generate_kv_cache_gqa_rotary", lambda: _generate(dict(attn_kv_heads=2, rotary_pos_emb=True)), _head),
