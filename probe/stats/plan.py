@@ -40,8 +40,8 @@ from probe.stats.chunks import MASK_BIAS, accumulation_dtype, cache_chunk_rows, 
 from probe.stats.masks import key_validity, simplify
 from probe.stats.sampling import Design, row_design, sample_rows
 
-__all__ = ["CENTRED_MIN_SCALE", "LOGIT_BOUND", "PATHS", "KEEP_EXPS_BYTES", "SAMPLED_BYTES", "CallPlan", "absmax", "backward_step", "blocked_keys",
-           "chunk_picks", "group_scales", "inputs_finite", "plan_call", "proven_finite", "shiftable"]
+__all__ = ["CENTRED_MIN_SCALE", "LOGIT_BOUND", "PATHS", "KEEP_EXPS_BYTES", "SAMPLED_BYTES", "SHIFTED_MIN_SCALE",
+           "CallPlan", "absmax", "backward_step", "blocked_keys", "chunk_picks", "group_scales", "inputs_finite", "plan_call", "proven_finite", "shiftable"]
 
 PATHS = ("centred", "key_blocks", "shifted", "general", "logits")
 
@@ -54,6 +54,11 @@ LOGIT_BOUND = 2.0**90
 #: ``σ·2¹⁰⁰`` is far above float32's exponent range; at ``σ = 1e-41`` masked keys counted
 #: (normalized entropy 1.56). Smaller scales go to the shifted path (``-inf`` masks).
 CENTRED_MIN_SCALE = 2.0**-80
+
+#: The smallest scale the shifted paths take: float32's smallest normal number (``σ·log₂e`` is a
+#: float32 factor there, and one that rounds to 0 makes a masked key's ``0·(−inf)`` NaN). Smaller
+#: scales go to the general path, which scales the logits before it masks them.
+SHIFTED_MIN_SCALE = 2.0**-125
 
 #: Bytes of the centred path's buffer of gathered sampled rows (and of their exponentials').
 SAMPLED_BYTES = 8 * 2**20
@@ -166,11 +171,10 @@ def group_scales(scales: Mapping[str, Optional[Scale]]) -> Tuple[Tuple[Tuple[str
 
 
 def shiftable(call: AttentionCall, values: Sequence[Optional[Scale]]) -> bool:
-    """Whether the shifted paths apply: no bias, no softcap, finite positive float scales that stay
-    normal float32 numbers (``σ·log₂e`` is a float32 factor there: one that rounds to 0 makes a
-    masked key's ``0·(−inf)`` NaN; the general path scales the logits before it masks)."""
+    """Whether the shifted paths apply: no bias, no softcap, finite float scales from
+    :data:`SHIFTED_MIN_SCALE` up."""
     return call.bias is None and call.softcap is None and all(
-        v is not None and not isinstance(v, Tensor) and 2.0**-125 <= float(v) < 1e30 for v in values
+        v is not None and not isinstance(v, Tensor) and SHIFTED_MIN_SCALE <= float(v) < 1e30 for v in values
     )
 
 
