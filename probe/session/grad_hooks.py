@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from probe.call import AttentionCall, Scale
 from probe.capture.grads import BackwardHooks
 from probe.session.grad_ledger import GradLedger
+from probe.session.loss_scale import ScaledFields
 from probe.session.recompute import Recompute
 from probe.stats.backward import grad_logits_stats, head_sq
 from probe.stats.plan import CallPlan
@@ -73,7 +74,7 @@ class GradHooks:
 
     def __init__(self, add: AddFields, warn: Callable[[str], None],
                  names: Optional[Callable[[Hashable], str]] = None) -> None:
-        self._add = add
+        self._add = ScaledFields(add)  # a loss-scaled backward's fields in the loss's units
         self.hooks = BackwardHooks(self._on_logits, self._on_input, warn)
         self.recompute = Recompute(self._register_recomputed)
         self.ledger = GradLedger()

@@ -19,6 +19,7 @@ from probe.state.distributed import resolve_group
 from probe.stats.buffers import drop_kept
 from probe.errors import ProbeError
 from probe.session.forward_guard import ForwardFrame, RootHook
+from probe.session import loss_scale
 from probe.session.lifecycle import Counting, Event, Lifecycle, Phase
 from probe.session.transforms import StepAside, transform_running
 from probe.once import WarnOnce
@@ -145,6 +146,9 @@ class Probe:
             model.register_forward_hook(RootHook(self._on_forward_end), with_kwargs=True, always_call=True),
             self._audit,  # its remove() removes the clip's optimizer hook
         ]
+        self._loss_scale = self.grads  # a GradScaler's loss scale taken out of the gradient metrics
+        if self._loss_scale:
+            loss_scale.acquire()
         # Closed without close() when collected or at interpreter exit, whichever comes first.
         self._finalizer = weakref.finalize(self, _close_forgotten, type(self), self.__dict__)
 
@@ -384,6 +388,8 @@ class Probe:
         self._handles = []
         self._rec.empty_steps.end(closing=True)
         self._rec.grad_hooks.remove()
+        if self.__dict__.pop("_loss_scale", False):
+            loss_scale.release()
         self._stop_capture()
         drop_kept()  # the memory kept exponentials reused between steps (probe.stats.buffers)
         self._out.close(self.close_timeout)

@@ -295,8 +295,10 @@ class Recorder:
             f"ops{why}; it is reported at `actual` only{source} (info scale = None)",
         )
 
-    def _add_grads(self, key: Hashable, step: int, fields: State) -> None:
-        """Fold backward fields (called from the hooks, inside backward) into the step's state."""
+    def _add_grads(self, key: Hashable, step: int, fields: State, counted: Optional[Tensor] = None) -> None:
+        """Fold backward fields (called from the hooks, inside backward) into the step's state;
+        ``counted``: the step's ``grad_steps`` (a loss-scaled backward's: 0 when it overflowed,
+        :mod:`probe.session.loss_scale`), 1 otherwise."""
         with self.lock:
             self.deferred.finish()  # a forward's fields before its backward's (no root forward ended: parts called)
             if step not in self.window:  # the window was flushed before this backward ran
@@ -304,7 +306,8 @@ class Recorder:
             if self._grad_step.get(key) != step:  # count each step once: grad_* are RMS over steps
                 self._grad_step[key] = step
                 ref = next(iter(fields.values()))
-                fields = {**fields, GRAD_STEPS: torch.ones(1, dtype=ref.dtype, device=ref.device)}
+                fields = {**fields, GRAD_STEPS: torch.ones(1, dtype=ref.dtype, device=ref.device)
+                          if counted is None else counted}
             info = self.infos.get(key)  # type: ignore[arg-type]
             differ = kv_fields_that_differ(info, fields)
             if differ:  # k repeated to the query heads on this call only: those cannot join

@@ -45,7 +45,9 @@ def finalize(state: State) -> Dict[str, Dict[str, np.ndarray]]:
     rows = host.get("rows")
     counted = host.get(GRAD_STEPS)
     grad_steps = float(counted.max()) if counted is not None else 1.0
-    steps = max(grad_steps, 1)
+    # no step counted (every backward that reached the site overflowed under a loss scaler and
+    # was left out, probe.session.loss_scale): the gradient metrics have nothing to average
+    steps = max(grad_steps, 1) if grad_steps > 0 else np.nan
     with np.errstate(all="ignore"):  # where() discards the divisions it guards, as torch's did silently
         for field, v in host.items():
             name, _, scale = field.partition("@")
@@ -74,7 +76,7 @@ def finalize(state: State) -> Dict[str, Dict[str, np.ndarray]]:
                 # ``g = sqrt(T / s)`` from an estimated total ``T`` with variance ``V``: to first
                 # order ``se(g) = sqrt(V) / s / (2g) = sqrt(V) / (2 sqrt(T·s))``
                 total = _nonneg(host[f"{name[: -len('_var')]}_sq@{scale}"])
-                res = np.where(total > 0, _sqrt(_nonneg(v)) / (2 * _sqrt(total * steps)), 0.0)
+                res = np.where(total > 0, _sqrt(_nonneg(v)) / (2 * _sqrt(total * steps)), 0.0 * steps)
             else:
                 res = v
             out.setdefault(metric.name, {})[scale] = res

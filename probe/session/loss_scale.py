@@ -1,0 +1,181 @@
+"""Gradient metrics in the loss's own units under a loss scaler (mixed-precision training).
+
+``torch.amp.GradScaler`` (also ``torch.cuda.amp``'s, and FSDP's ``ShardedGradScaler``) multiplies
+the loss by a scale ``s`` (65536 at first, halved on every overflow, doubled every 2000 clean
+steps) before ``backward()``: every gradient the backward hooks see is ``s`` times the model's, so
+``grad_logits``, ``grad_q``, ``grad_k`` and ``grad_v`` would read ``s`` times too large and jump
+whenever the scaler changes ``s``. And a backward that overflows (the scaler then skips that
+optimizer step: routine in the first steps of fp16 training) would put inf or NaN into the run's
+sums for good.
+
+While a probe with gradient metrics is open, ``GradScaler.scale`` is wrapped (:func:`acquire`;
+restored when the last such probe closes): the tensors it returns get a hook that, when a backward
+starts from them, makes their scale the *current* one until that backward ends
+(:func:`current`). :class:`ScaledFields` then holds the gradient fields of that backward and, at
+its end, adds them divided by ``s²`` (sums of squares; ``s⁴`` for their variances), all of them
+or, if any is not finite, none: the step counts no gradient step then (``grad_steps``), as the
+scaler counts no optimizer step. Everything stays on the device: no host synchronization.
+
+Not seen: a loss scaled by other means (DeepSpeed's fp16 loss scaler, a hand-written
+``loss * 1024``); its gradient metrics are in the scaled units.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["ScaledFields", "acquire", "current", "release"]
+
+_lock = threading.Lock()
+_users = 0
+_originals: Dict[type, Callable[..., Any]] = {}
+#: ``(scale, token)`` of the backward running now (set when it starts from a scaled tensor, cleared
+#: at its end; the token tells one backward from the next).
+_current: Optional[Tuple[Tensor, object]] = None
+
+
+def current() -> Optional[Tensor]:
+    """The loss scale of the backward running now, or ``None`` (not started from a scaled loss)."""
+    return None if _current is None else _current[0]
+
+
+def acquire() -> None:
+    """A probe with gradient metrics opens: wrap ``scale`` of torch's grad scalers (first one)."""
+    global _users
+    with _lock:
+        _users += 1
+        if _users == 1:
+            from torch.amp.grad_scaler import GradScaler
+
+            for cls in _scaler_classes(GradScaler):
+                _wrap_class(cls)
+            # a scaler class defined later (FSDP's, whose module costs 0.5 s to import) is wrapped as
+            # it is defined
+            GradScaler.__init_subclass__ = classmethod(_defined)  # type: ignore[assignment]
+
+
+def release() -> None:
+    """That probe closes: the last one puts the scalers' own ``scale`` back."""
+    global _users
+    with _lock:
+        if _users == 0:
+            return
+        _users -= 1
+        if _users == 0:
+            from torch.amp.grad_scaler import GradScaler
+
+            del GradScaler.__init_subclass__
+            for cls, original in _originals.items():
+                cls.scale = original  # type: ignore[method-assign]
+            _originals.clear()
+
+
+def _defined(cls: type, **kwargs: Any) -> None:
+    """``GradScaler.__init_subclass__`` while a probe is open: a new scaler class is wrapped too."""
+    with _lock:
+        if _users and "scale" in cls.__dict__:
+            _wrap_class(cls)
+
+
+def _wrap_class(cls: type) -> None:
+    original = cls.__dict__["scale"]
+    _originals[cls] = original
+    cls.scale = _wrap(original)  # type: ignore[attr-defined]
+
+
+def _scaler_classes(base: type) -> List[type]:
+    """``base`` and its subclasses defined so far that define their own ``scale``."""
+    found, todo = [], [base]
+    while todo:
+        cls = todo.pop()
+        if "scale" in cls.__dict__:
+            found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def scale(self: Any, outputs: Any) -> Any:
+        scaled = original(self, outputs)
+        if _users and getattr(self, "_enabled", False) and isinstance(getattr(self, "_scale", None), Tensor):
+            _bind(scaled, self._scale)
+        return scaled
+
+    scale.__probe_wrapped__ = True  # type: ignore[attr-defined]
+    return scale
+
+
+def _bind(out: Any, factor: Tensor, depth: int = 0) -> None:
+    """Hook the scaled tensors in ``out`` (a tensor, or lists and tuples of them; a lazy iterable
+    is left alone: reading it would use it up)."""
+    if isinstance(out, Tensor):
+        if out.requires_grad:
+            out.register_hook(functools.partial(_enter, factor))
+    elif isinstance(out, (list, tuple)) and depth < 3:
+        for item in out:
+            _bind(item, factor, depth + 1)
+
+
+def _enter(factor: Tensor, grad: Tensor) -> None:
+    """A backward starts from a scaled tensor: its scale is current until that backward ends."""
+    global _current
+    _current = (factor, object())
+    torch.autograd.Variable._execution_engine.queue_callback(_leave)
+
+
+def _leave() -> None:
+    global _current
+    _current = None
+
+
+AddFields = Callable[..., None]
+
+
+class ScaledFields:
+    """``add(key, step, fields)`` for the backward hooks: fields of an unscaled backward go to
+    ``add`` at once; those of a scaled one are held until it ends, then added in the loss's units
+    (module docstring) with ``counted``, the step's ``grad_steps`` (1, or 0 when they were not
+    finite)."""
+
+    def __init__(self, add: AddFields) -> None:
+        self._add = add
+        self._held: List[Tuple[Hashable, int, Dict[str, Tensor]]] = []
+        self._backward: Optional[Tuple[Tensor, object]] = None  # the scaled backward they are of
+        self._lock = threading.Lock()
+
+    def __call__(self, key: Hashable, step: int, fields: Dict[str, Tensor]) -> None:
+        running = _current
+        if running is None:
+            self._add(key, step, fields)
+            return
+        with self._lock:
+            if self._backward is not running:  # the first of this backward: add them all when it ends
+                self._held = []  # (any of an earlier one that raised before its end: never added)
+                self._backward = running
+                torch.autograd.Variable._execution_engine.queue_callback(self.settle)
+            self._held.append((key, step, fields))
+
+    def settle(self) -> None:
+        """Add the held fields of the backward that just ended."""
+        with self._lock:
+            held, self._held = self._held, []
+            running, self._backward = self._backward, None
+        if not held or running is None:
+            return
+        factor = running[0]
+        values = [value.reshape(-1) for _, _, fields in held for value in fields.values()]
+        ref = values[0]
+        finite = torch.isfinite(torch.cat([v.to(ref.dtype) for v in values])).all()
+        square = factor.detach().to(device=ref.device, dtype=ref.dtype).square()
+        for key, step, fields in held:
+            out = {}
+            for name, value in fields.items():
+                div = (square.square() if "_var" in name else square).to(value.device)
+                out[name] = torch.where(finite.to(value.device), value / div, 0.0)
+            self._add(key, step, out, counted=finite.to(device=ref.device, dtype=ref.dtype).reshape(1))
