@@ -204,3 +204,21 @@ assert (scaled == plain).all(), (scaled, plain)
         pytest.skip("this torch build has no torch.distributed")
     done = subprocess.run([sys.executable, "-c", code.format(root=root)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_failure_at_the_backward_end_never_breaks_training(monkeypatch):
+    import probe.session.loss_scale as loss_scale
+
+    def broken(self, held, factor):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(loss_scale.ScaledFields, "_settle", broken)
+    model, ref = _model(False), _model(False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    ref_scaler.scale(ref(_x()).square().mean()).backward()
+    with pytest.warns(RuntimeWarning, match="loss-scaled backward were not recorded"):
+        with probe.watch(model):
+            scaler.scale(model(_x()).square().mean()).backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)

@@ -74,7 +74,7 @@ class GradHooks:
 
     def __init__(self, add: AddFields, warn: Callable[[str], None],
                  names: Optional[Callable[[Hashable], str]] = None) -> None:
-        self._add = ScaledFields(add)  # a loss-scaled backward's fields in the loss's units
+        self._add = ScaledFields(add, warn)  # a loss-scaled backward's fields in the loss's units
         self.hooks = BackwardHooks(self._on_logits, self._on_input, warn)
         self.recompute = Recompute(self._register_recomputed)
         self.ledger = GradLedger()

@@ -143,8 +143,9 @@ class ScaledFields:
     (module docstring) with ``counted``, the step's ``grad_steps`` (1, or 0 when they were not
     finite)."""
 
-    def __init__(self, add: AddFields) -> None:
+    def __init__(self, add: AddFields, warn: Callable[[str], None]) -> None:
         self._add = add
+        self._warn = warn
         self._held: List[Tuple[Hashable, int, Dict[str, Tensor]]] = []
         self._backward: Optional[Tuple[Tensor, object]] = None  # the scaled backward they are of
         self._lock = threading.Lock()
@@ -168,10 +169,16 @@ class ScaledFields:
             running, self._backward = self._backward, None
         if not held or running is None:
             return
-        factor = running[0]
+        try:
+            self._settle(held, running[0])
+        except Exception as err:  # noqa: BLE001 - a training loop never dies because of probe
+            self._warn(f"probe: the gradient metrics of a loss-scaled backward were not recorded ({type(err).__name__}: "
+                       f"{err}); training is unaffected")
+
+    def _settle(self, held: List[Tuple[Hashable, int, Dict[str, Tensor]]], factor: Tensor) -> None:
         values = [value.reshape(-1) for _, _, fields in held for value in fields.values()]
         ref = values[0]
-        finite = torch.isfinite(torch.cat([v.to(ref.dtype) for v in values])).all()
+        finite = torch.isfinite(torch.cat([v.to(ref.device, ref.dtype) for v in values])).all()
         square = factor.detach().to(device=ref.device, dtype=ref.dtype).square()
         for key, step, fields in held:
             out = {}
