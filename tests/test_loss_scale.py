@@ -222,3 +222,26 @@ def test_a_failure_at_the_backward_end_never_breaks_training(monkeypatch):
             scaler.scale(model(_x()).square().mean()).backward()
     for a, b in zip(model.parameters(), ref.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant):
+    """Reentrant checkpointing recomputes the calls inside the scaled backward: unscaled too."""
+    pytest.importorskip("transformers")
+    from transformers import BertConfig, BertModel
+
+    def run(scale):
+        torch.manual_seed(0)
+        model = BertModel(BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, attn_implementation="sdpa", hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        ids = torch.randint(0, 100, (2, 64), generator=torch.Generator().manual_seed(1))
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale, enabled=scale is not None)
+        with probe.watch(model, rows=None) as p:
+            scaler.scale(model(input_ids=ids).last_hidden_state.square().mean()).backward()
+            return _metrics(p)
+
+    plain = run(None)
+    assert sum(k[1] == "grad_q" for k in plain) == 2  # both layers' gradients measured
+    _close(run(2.0**16), plain)
