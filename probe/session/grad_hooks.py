@@ -11,7 +11,8 @@ backward ran, and keeps a :class:`~probe.session.grad_ledger.GradLedger`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -60,6 +61,19 @@ def _outputs(out: Any, depth: int = 0) -> Iterator[Tensor]:
             yield from _outputs(item, depth + 1)
 
 
+#: Earlier steps whose hooks wait for their backward at most (:meth:`GradHooks.next_step`).
+HELD_STEPS = 4
+
+
+class _Held(NamedTuple):
+    """An earlier step's hooks, waiting for its backward."""
+
+    step: int
+    hooks: BackwardHooks
+    sentinels: List[RemovableHandle]
+    outputs: List["weakref.ref[Tensor]"]
+
+
 class GradHooks:
     """Backward hooks whose gradients are reduced to backward statistics.
 
@@ -81,6 +95,9 @@ class GradHooks:
         self.ledger.quiet.add(UNVERIFIED)  # the site's own warning says it
         self._names = names or str
         self._sentinels: List[RemovableHandle] = []
+        self._outputs: List["weakref.ref[Tensor]"] = []  # the current step's root outputs, weakly
+        self._held: List[_Held] = []  # earlier steps whose backward may still come (next_step)
+        self._warn = warn
         #: Whether the current root forward began with grad enabled (set by the profiler).
         self.root_grad = False
         self._budget = 64 * 2**20  # memory_budget of the hooked calls (head_sq's chunks)
@@ -130,12 +147,14 @@ class GradHooks:
 
     def watch_backward(self, output: Any, step: int) -> None:
         """Hook the root forward's outputs of ``step``: whether a backward ran through them
-        (the ledger names missing gradient metrics only after a backward)."""
+        (the ledger names missing gradient metrics only after a backward), and keep them weakly
+        (:meth:`next_step`: a step whose outputs live and saw no backward keeps its hooks)."""
         if not torch.is_grad_enabled():
             return
         ledger = self.ledger
         for out in _outputs(output):
             self._sentinels.append(out.register_hook(lambda grad, step=step: ledger.backward_ran(step)))
+            self._outputs.append(weakref.ref(out))
             if self.hooks.step is None:
                 self.hooks.step = step
             break  # one is enough: the backward runs through the outputs the loss is made of first
@@ -144,17 +163,58 @@ class GradHooks:
         """Name the gradient metrics a finished backward did not produce (:class:`GradLedger`)."""
         self.ledger.settle(final, {})
 
+    def next_step(self, step: int) -> None:
+        """A root forward of ``step`` begins. The hooks of an earlier step go, and what its
+        backward did not produce is named, unless that backward may still come: no backward ran
+        through its outputs yet and they are alive (two forwards before one backward: two views
+        of a batch through one model, or an evaluation forward between a forward and its
+        backward). Those hooks stay, up to :data:`HELD_STEPS` steps, until their backward ran or
+        their outputs are gone; their gradients count for their own step."""
+        current = self.hooks.step
+        held = [h for h in self._held if self._waits(h)]
+        done = [h for h in self._held if not self._waits(h)]
+        if current is not None and current != step:
+            mine = _Held(current, self.hooks, self._sentinels, self._outputs)
+            (held if self._waits(mine) else done).append(mine)
+            self.hooks = BackwardHooks(self._on_logits, self._on_input, self._warn)
+            self._sentinels, self._outputs = [], []
+            self.recompute.remove()  # (a checkpointed call of a held step is named, not recomputed)
+        while len(held) > HELD_STEPS:
+            done.append(held.pop(0))
+        self._held = held
+        if done:
+            self._release(done)
+
+    def held_steps(self) -> List[int]:
+        """The earlier steps whose hooks wait for their backward (:meth:`next_step`)."""
+        return [h.step for h in self._held]
+
+    def _waits(self, held: "_Held") -> bool:
+        return not self.ledger.backward_seen(held.step) and any(ref() is not None for ref in held.outputs)
+
+    def _release(self, done: List["_Held"]) -> None:
+        try:
+            self.ledger.settle(True, _Names(self._names), steps={h.step for h in done})
+        finally:
+            for h in done:
+                h.hooks.remove()
+                for handle in h.sentinels:
+                    handle.remove()
+
     def remove(self) -> None:
-        """The step is over: name what its backward did not produce, then remove every hook
-        (tensor and module hooks; harmless twice)."""
+        """The steps are over (the probe closes): name what their backward did not produce,
+        then remove every hook (tensor and module hooks; harmless twice)."""
         try:
             self.ledger.settle(True, _Names(self._names))
         finally:
             self.recompute.remove()
             self.hooks.remove()
-            sentinels, self._sentinels = self._sentinels, []
-            for handle in sentinels:
+            sentinels, self._sentinels, self._outputs = self._sentinels, [], []
+            held, self._held = self._held, []
+            for handle in sentinels + [handle for h in held for handle in h.sentinels]:
                 handle.remove()
+            for h in held:
+                h.hooks.remove()
 
     def _on_logits(self, record: AttentionCall, key: Hashable, step: int, payload: Any, grad: Tensor,
                    from_probs: bool) -> None:

@@ -8,7 +8,8 @@ ran under ``no_grad`` inside a training forward (reentrant activation checkpoint
 recomputation in the backward. :class:`GradLedger` keeps, per site and step, what was planned and
 what arrived, and knows whether a backward ran at all (a hook on the root forward's outputs).
 
-When a sampled step is over (the next step begins, or the probe closes) and its backward ran,
+When a sampled step is over (the next step begins and its hooks go, :meth:`GradHooks.next_step
+<probe.session.grad_hooks.GradHooks.next_step>`, or the probe closes) and its backward ran,
 each gradient metric that did not arrive at a site gets its reason (``info["not_measured"]``)
 and one ``UserWarning`` per reason names the sites and metrics: the plan's reason, a
 recomputation probe did not see, or a hook the backward never reached. A step without a backward
@@ -80,12 +81,19 @@ class GradLedger:
         """A backward pass went through the root forward's outputs of ``step``."""
         self._backward.add(step)
 
-    def settle(self, final: bool, sites: Dict[Hashable, str]) -> None:
+    def backward_seen(self, step: int) -> bool:
+        """Whether a backward pass reached ``step``'s outputs or hooks."""
+        return step in self._backward
+
+    def settle(self, final: bool, sites: Dict[Hashable, str], steps: Optional[Set[int]] = None) -> None:
         """Name what did not arrive. ``final``: the steps are over (the next step began, or the
         probe closes): warn once per reason and forget them; otherwise (a summary read) only
-        update the reasons. ``sites``: key -> site name, for the warnings."""
+        update the reasons. ``sites``: key -> site name, for the warnings. ``steps``: only these
+        (``None``: every step)."""
         missing: Dict[str, List[Tuple[str, str]]] = {}
         for step, plans in list(self._plans.items()):
+            if steps is not None and step not in steps:
+                continue
             if step not in self._backward:
                 if final:
                     del self._plans[step]
@@ -103,8 +111,12 @@ class GradLedger:
                 del self._plans[step]
                 self._arrived.pop(step, None)
         if final:
-            self._backward.clear()
-            self._reached.clear()
+            if steps is None:
+                self._backward.clear()
+                self._reached.clear()
+            else:
+                self._backward -= steps
+                self._reached = {r for r in self._reached if r[0] not in steps}
             for why, where in missing.items():
                 if why in self._warned or why in self.quiet:
                     continue

@@ -80,7 +80,7 @@ class Recorder:
         self.multi: Set[str] = set()  # modules seen issuing several calls in one invocation
         self.filtered_out: Set[str] = set()
         self.window: List[int] = []  # sampled steps whose statistics sit in the accumulator
-        self._grad_step: Dict[Hashable, int] = {}  # per site, the last step whose backward was counted
+        self._grad_counted: Set[Tuple[Hashable, int]] = set()  # (site, step) whose grad_steps is counted
         self.step = 0
         self._kept = (0, 0)  # (step, bytes its forwards kept for their backward: _forward_fields)
         self.emitted = 0  # attention calls seen, to detect a compiled graph that hides them
@@ -303,8 +303,8 @@ class Recorder:
             self.deferred.finish()  # a forward's fields before its backward's (no root forward ended: parts called)
             if step not in self.window:  # the window was flushed before this backward ran
                 self.window.append(step)
-            if self._grad_step.get(key) != step:  # count each step once: grad_* are RMS over steps
-                self._grad_step[key] = step
+            if (key, step) not in self._grad_counted:  # count each step once: grad_* are RMS over steps
+                self._grad_counted.add((key, step))
                 ref = next(iter(fields.values()))
                 fields = {**fields, GRAD_STEPS: torch.ones(1, dtype=ref.dtype, device=ref.device)
                           if counted is None else counted}
@@ -336,10 +336,12 @@ class Recorder:
 
     def begin_forward(self, step: int) -> None:
         """A root forward of ``step`` begins: the hooks of an earlier step's backward go (it is
-        over, or never came), and whether this forward runs with grad is noted (a ``no_grad``
-        call inside it is then a reentrant checkpoint, whose gradients are deferred)."""
-        if self.grad_hooks.step is not None and self.grad_hooks.step != step:
-            self.grad_hooks.remove()
+        over, or never came; :meth:`GradHooks.next_step` keeps those whose backward may still
+        come), and whether this forward runs with grad is noted (a ``no_grad`` call inside it is
+        then a reentrant checkpoint, whose gradients are deferred)."""
+        self.grad_hooks.next_step(step)
+        live = {step, *self.grad_hooks.held_steps()}
+        self._grad_counted = {(key, s) for key, s in self._grad_counted if s in live}
         self.grad_hooks.root_grad = torch.is_grad_enabled()
 
     def open_step(self, step: int) -> None:
