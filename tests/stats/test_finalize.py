@@ -3,6 +3,8 @@ float32 states included."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -18,7 +20,8 @@ def _torch_reference(state):
     """The formulas as torch computed them (finalize before it moved to numpy)."""
     t = {f: v.to(torch.float64) for f, v in state.items()}
     rows = t.get("rows")
-    steps = max(float(t["grad_steps"].max()) if "grad_steps" in t else 1.0, 1)
+    counted = float(t["grad_steps"].max()) if "grad_steps" in t else 1.0
+    steps = max(counted, 1) if counted > 0 else math.nan  # no step counted: NaN (loss-scaler overflows)
     out = {}
     for scale in SCALES:
         n, _, m2 = t[f"logit@{scale}"]
@@ -34,7 +37,7 @@ def _torch_reference(state):
         out[("grad_logits", scale)] = (total.clamp(min=0) / steps).sqrt()
         total = total.clamp(min=0)
         var = t[f"grad_logits_var@{scale}"]
-        out[("grad_logits_se", scale)] = torch.where(total > 0, var.clamp(min=0).sqrt() / (2 * (total * steps).sqrt()), 0.0)
+        out[("grad_logits_se", scale)] = torch.where(total > 0, var.clamp(min=0).sqrt() / (2 * (total * steps).sqrt()), 0.0 * steps)
     for name in ("grad_q", "grad_other"):
         out[(name, "actual")] = (t[f"{name}_sq"].clamp(min=0) / steps).sqrt()
     out[("nonfinite", "actual")] = t["nonfinite"]
