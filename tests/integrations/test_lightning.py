@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -305,3 +306,18 @@ def test_a_module_wrapping_a_hugging_face_model_with_eager_attention(tmp_path, r
     assert cb.probe.summary().sites == ["model.model.layers.0.self_attn", "model.model.layers.1.self_attn"]
     assert "probe.grad_logits@actual/model.model.layers.1.self_attn" in tags
     assert not [w for w in recwarn if str(w.message).startswith("probe:")]  # the audit of the whole step: no miss
+
+
+def test_sixteen_bit_mixed_precision_reads_gradients_in_the_losss_units(tmp_path) -> None:
+    """precision "16-mixed" scales the loss by its GradScaler (65536 at first): probe reads the
+    gradient metrics as with a scale of 1 (fp16 autocast on CPU; the plugin takes the scaler)."""
+    from pytorch_lightning.plugins import MixedPrecision
+
+    values = {}
+    for scale in (2.0**16, 1.0):
+        cb = ProbeCallback(rows=None)
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=scale))
+        fit(tmp_path / str(scale), cb, logger=False, max_steps=2, plugins=[plugin])
+        values[scale] = {m: cb.probe.summary().value(SITES[0], m) for m in ("grad_logits", "grad_q", "grad_v")}
+    for metric, value in values[1.0].items():  # fp16's own rounding differs with the scale (3e-6 seen)
+        np.testing.assert_allclose(values[2.0**16][metric], value, rtol=1e-3, err_msg=metric)
