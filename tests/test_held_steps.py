@@ -95,3 +95,25 @@ def test_at_most_held_steps_wait_and_close_removes_them():
     p.close()
     assert sum(_n_hooks(t) for seen in model.seen for t in seen) == 0
     assert len(kept) == HELD_STEPS + 3
+
+
+def test_a_step_waits_while_any_of_its_outputs_lives():
+    class TwoOutputs(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = _model(False)
+
+        def forward(self, x):
+            y = self.body(x)
+            return y.mean(-1), y  # the first is dropped, the loss comes from the second
+
+    model = TwoOutputs()
+    with probe.watch(model, rows=None) as p:
+        model(_x(1))[1].square().mean().backward()
+        ref = _values(p)
+    with probe.watch(model, rows=None) as p:
+        feats = model(_x(1))[1]
+        with torch.no_grad():
+            model(_x(2))
+        feats.square().mean().backward()
+        _same(_values(p), ref)

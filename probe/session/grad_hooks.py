@@ -152,12 +152,12 @@ class GradHooks:
         if not torch.is_grad_enabled():
             return
         ledger = self.ledger
-        for out in _outputs(output):
-            self._sentinels.append(out.register_hook(lambda grad, step=step: ledger.backward_ran(step)))
-            self._outputs.append(weakref.ref(out))
-            if self.hooks.step is None:
-                self.hooks.step = step
-            break  # one is enough: the backward runs through the outputs the loss is made of first
+        for i, out in enumerate(_outputs(output)):
+            self._outputs.append(weakref.ref(out))  # every one: the loss may come from any
+            if i == 0:  # one sentinel is enough: the backward runs through the outputs the loss is made of first
+                self._sentinels.append(out.register_hook(lambda grad, step=step: ledger.backward_ran(step)))
+                if self.hooks.step is None:
+                    self.hooks.step = step
 
     def settle(self, final: bool = False) -> None:
         """Name the gradient metrics a finished backward did not produce (:class:`GradLedger`)."""
