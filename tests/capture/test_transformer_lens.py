@@ -17,8 +17,10 @@ import torch
 import probe
 
 tl = pytest.importorskip("transformer_lens")
-if not hasattr(tl, "HookedTransformerConfig"):  # TransformerLens 4 removed HookedTransformer
-    pytest.skip("transformer_lens without HookedTransformer", allow_module_level=True)
+try:  # TransformerLens 4 removed HookedTransformer (its module raises ImportError on the name)
+    tl.HookedTransformerConfig
+except (AttributeError, ImportError):
+    pytest.skip("transformer_lens without HookedTransformer (4.0 and later)", allow_module_level=True)
 
 
 def _model(**cfg):
