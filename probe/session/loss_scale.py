@@ -16,6 +16,10 @@ its end, adds them divided by ``s²`` (sums of squares; ``s⁴`` for their varia
 or, if any is not finite, none: the step counts no gradient step then (``grad_steps``), as the
 scaler counts no optimizer step. Everything stays on the device: no host synchronization.
 
+Keras 3 (torch backend) scales the loss itself under ``mixed_float16``
+(``LossScaleOptimizer.scale_loss``, 32768 at first): wrapped the same way when Keras is loaded
+when a probe opens.
+
 Not seen: a loss scaled by other means (DeepSpeed's fp16 loss scaler, a hand-written
 ``loss * 1024``); its gradient metrics are in the scaled units.
 """
@@ -23,6 +27,7 @@ Not seen: a loss scaled by other means (DeepSpeed's fp16 loss scaler, a hand-wri
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
@@ -33,7 +38,7 @@ __all__ = ["ScaledFields", "acquire", "current", "release"]
 
 _lock = threading.Lock()
 _users = 0
-_originals: Dict[type, Callable[..., Any]] = {}
+_originals: Dict[Tuple[type, str], Callable[..., Any]] = {}  # (class, method) -> its own
 #: ``(scale, token)`` of the backward running now (set when it starts from a scaled tensor, cleared
 #: at its end; the token tells one backward from the next).
 _current: Optional[Tuple[Tensor, object]] = None
@@ -45,7 +50,8 @@ def current() -> Optional[Tensor]:
 
 
 def acquire() -> None:
-    """A probe with gradient metrics opens: wrap ``scale`` of torch's grad scalers (first one)."""
+    """A probe with gradient metrics opens: wrap ``scale`` of torch's grad scalers (the first
+    one) and Keras's ``LossScaleOptimizer.scale_loss`` (the first with Keras loaded)."""
     global _users
     with _lock:
         _users += 1
@@ -57,6 +63,11 @@ def acquire() -> None:
             # a scaler class defined later (FSDP's, whose module costs 0.5 s to import) is wrapped as
             # it is defined
             GradScaler.__init_subclass__ = classmethod(_defined)  # type: ignore[assignment]
+        keras = sys.modules.get("keras.src.optimizers.loss_scale_optimizer")  # (imported by now, if used)
+        if keras is not None and (keras.LossScaleOptimizer, "scale_loss") not in _originals:
+            cls = keras.LossScaleOptimizer
+            _originals[(cls, "scale_loss")] = cls.__dict__["scale_loss"]
+            cls.scale_loss = _wrap_keras(cls.__dict__["scale_loss"])  # type: ignore[attr-defined]
 
 
 def release() -> None:
@@ -70,8 +81,8 @@ def release() -> None:
             from torch.amp.grad_scaler import GradScaler
 
             del GradScaler.__init_subclass__
-            for cls, original in _originals.items():
-                cls.scale = original  # type: ignore[method-assign]
+            for (cls, name), original in _originals.items():
+                setattr(cls, name, original)
             _originals.clear()
 
 
@@ -84,7 +95,7 @@ def _defined(cls: type, **kwargs: Any) -> None:
 
 def _wrap_class(cls: type) -> None:
     original = cls.__dict__["scale"]
-    _originals[cls] = original
+    _originals[(cls, "scale")] = original
     cls.scale = _wrap(original)  # type: ignore[attr-defined]
 
 
@@ -109,6 +120,22 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
     scale.__probe_wrapped__ = True  # type: ignore[attr-defined]
     return scale
+
+
+def _wrap_keras(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Keras 3's ``LossScaleOptimizer.scale_loss`` (``mixed_float16``; its torch backend's
+    ``train_step`` calls ``backward()`` on what it returns), whose scale is ``dynamic_scale``."""
+    @functools.wraps(original)
+    def scale_loss(self: Any, loss: Any) -> Any:
+        scaled = original(self, loss)
+        if _users and isinstance(scaled, Tensor):
+            value = self.dynamic_scale if getattr(self, "built", False) else self.initial_scale
+            value = getattr(value, "value", value)  # a Keras variable's torch tensor
+            _bind(scaled, value.detach() if isinstance(value, Tensor) else torch.tensor(float(value)))
+        return scaled
+
+    scale_loss.__probe_wrapped__ = True  # type: ignore[attr-defined]
+    return scale_loss
 
 
 def _bind(out: Any, factor: Tensor, depth: int = 0) -> None:

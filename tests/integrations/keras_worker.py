@@ -94,6 +94,36 @@ def eager_path(x: torch.Tensor) -> dict:
             "entropy_ref": entropy_reference(block, x)}
 
 
+def mixed_fit() -> dict:
+    """``fit`` under ``mixed_float16``: Keras scales the loss (LossScaleOptimizer, 32768 at first)
+    and, its meta-device shape inference failing under the policy, calls the model on ones: the
+    gradient metrics are those of a scale of 1 and the statistics those of the real batch."""
+    x = np.random.default_rng(0).standard_normal((4, 6, 16)).astype("float32")
+    y = np.random.default_rng(1).standard_normal((4, 6, 4)).astype("float32")
+    out = {}
+    try:
+        for name, scale in (("mixed", None), ("mixed_scale1", 1.0)):
+            keras.mixed_precision.set_global_policy("mixed_float16")
+            keras.utils.set_random_seed(0)
+            block = Block()
+            block(x[:1])
+            opt = keras.optimizers.SGD(0.0)
+            block.compile(optimizer=opt if scale is None else keras.optimizers.LossScaleOptimizer(opt, initial_scale=scale),
+                          loss="mse")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with probe.watch(block, rows=None) as p:
+                    block.fit(x, y, epochs=1, batch_size=4, verbose=0)
+            s = p.summary()
+            out[name] = {"optimizer": type(block.optimizer).__name__, "calls": s.info("attn")["calls"],
+                         "entropy": s.value("attn", "entropy").tolist(), "grad_q": s.value("attn", "grad_q").tolist(),
+                         "entropy_ref": entropy_reference(block, torch.tensor(x)),
+                         "warnings": [str(w.message) for w in caught if "probe" in str(w.message)]}
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return out
+
+
 def main() -> None:
     keras.utils.set_random_seed(0)
     x = torch.randn(3, 6, 16, generator=torch.Generator().manual_seed(0))
@@ -118,6 +148,7 @@ def main() -> None:
         "masked_dot": masked_dot_attention(x),
         "two_d": two_d_attention(),
         "eager": eager_path(x),
+        "mixed_fit": mixed_fit(),
     }, sys.stdout)
 
 
