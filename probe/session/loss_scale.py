@@ -39,14 +39,28 @@ __all__ = ["ScaledFields", "acquire", "current", "release"]
 _lock = threading.Lock()
 _users = 0
 _originals: Dict[Tuple[type, str], Callable[..., Any]] = {}  # (class, method) -> its own
-#: ``(scale, token)`` of the backward running now (set when it starts from a scaled tensor, cleared
-#: at its end; the token tells one backward from the next).
-_current: Optional[Tuple[Tensor, object]] = None
+#: autograd's graph task id -> ``(scale, token)`` of that running backward (set when it starts from
+#: a scaled tensor, removed at its end; the token tells one backward from the next). By task, not
+#: globally: a backward in another thread finds its own.
+_current: Dict[int, Tuple[Tensor, object]] = {}
+
+
+def _running() -> Optional[Tuple[Tensor, object]]:
+    """The scaled backward the running hook belongs to: its graph task's, or, in a task of its
+    own (the nested backward of reentrant activation checkpointing), the one scaled backward
+    running (``None`` when several are: which one nests it is not known)."""
+    if not _current:
+        return None
+    running = _current.get(torch._C._current_graph_task_id())
+    if running is None and len(_current) == 1:
+        running = next(iter(_current.values()))
+    return running
 
 
 def current() -> Optional[Tensor]:
     """The loss scale of the backward running now, or ``None`` (not started from a scaled loss)."""
-    return None if _current is None else _current[0]
+    running = _running()
+    return None if running is None else running[0]
 
 
 def acquire() -> None:
@@ -151,14 +165,9 @@ def _bind(out: Any, factor: Tensor, depth: int = 0) -> None:
 
 def _enter(factor: Tensor, grad: Tensor) -> None:
     """A backward starts from a scaled tensor: its scale is current until that backward ends."""
-    global _current
-    _current = (factor, object())
-    torch.autograd.Variable._execution_engine.queue_callback(_leave)
-
-
-def _leave() -> None:
-    global _current
-    _current = None
+    task = torch._C._current_graph_task_id()
+    _current[task] = (factor, object())
+    torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_current.pop, task, None))
 
 
 AddFields = Callable[..., None]
@@ -178,7 +187,7 @@ class ScaledFields:
         self._lock = threading.Lock()
 
     def __call__(self, key: Hashable, step: int, fields: Dict[str, Tensor]) -> None:
-        running = _current
+        running = _running()
         if running is None:
             self._add(key, step, fields)
             return
