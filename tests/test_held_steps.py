@@ -9,6 +9,7 @@ References: the same forwards and backwards run one after the other.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -117,3 +118,19 @@ def test_a_step_waits_while_any_of_its_outputs_lives():
             model(_x(2))
         feats.square().mean().backward()
         _same(_values(p), ref)
+
+
+def test_a_late_backward_goes_with_the_next_window_at_that_windows_last_step(tmp_path):
+    from probe.sinks.jsonl import JSONLSink
+
+    model = _model(False)
+    path = tmp_path / "run.jsonl"
+    with probe.watch(model, rows=None, sinks=[JSONLSink(str(path))]):
+        for _ in range(3):  # steps 0-5; each odd step's window also gets its even step's gradients
+            (model(_x(1)) * model(_x(2))).mean().backward()
+    written = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        written.setdefault(record["metric"], set()).add(record["step"])
+    assert written["entropy"] == set(range(6))  # was {0, 2, 4}: windows [1, 0] written at step 0
+    assert written["grad_q"] == {1, 3, 5}

@@ -10,6 +10,7 @@ backward statistics.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import threading
 import weakref
@@ -301,8 +302,8 @@ class Recorder:
         :mod:`probe.session.loss_scale`), 1 otherwise."""
         with self.lock:
             self.deferred.finish()  # a forward's fields before its backward's (no root forward ended: parts called)
-            if step not in self.window:  # the window was flushed before this backward ran
-                self.window.append(step)
+            if step not in self.window:  # the window was flushed before this backward ran: in order, so that
+                bisect.insort(self.window, step)  # the window is written at its last step, not this one
             if (key, step) not in self._grad_counted:  # count each step once: grad_* are RMS over steps
                 self._grad_counted.add((key, step))
                 ref = next(iter(fields.values()))
