@@ -25,7 +25,10 @@ def _steps(path):
 
     acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
     acc.Reload()
-    return [e.step for e in acc.Scalars("probe.entropy@actual/layers.0")]
+    # sorted: the reader takes a directory's event files in name order, and files written in the
+    # same second differ by a process-wide counter (`...vm.24281.100` sorts before `...vm.24281.98`):
+    # which file comes first depends on how many writers the process made before, not on probe
+    return sorted(e.step for e in acc.Scalars("probe.entropy@actual/layers.0"))
 
 
 def test_a_second_run_goes_to_a_fresh_directory_and_says_so(tmp_path):
