@@ -107,7 +107,7 @@ def test_watch_compiled_module_equals_eager():
     assert counting.runs == 2  # steps 1 and 3 ran the compiled graph, steps 0 and 2 ran eagerly
 
 
-@pytest.mark.parametrize("how", ["compile_after_watch", "module_compile", "compiled_step"])
+@pytest.mark.parametrize("how", ["compile_after_watch", "compiled_step"])
 def test_root_compiled_after_watch_warns_then_probes_later_sampled_steps(how):
     batches = _batches(5)
     reference = _eager_reference(batches[2::2])  # steps 2 and 4; step 0 is skipped with a warning
@@ -115,9 +115,6 @@ def test_root_compiled_after_watch_warns_then_probes_later_sampled_steps(how):
     p = probe.watch(model, every=2)
     if how == "compile_after_watch":
         run = torch.compile(model, backend="eager")
-    elif how == "module_compile":
-        model.compile(backend="eager")
-        run = model
     else:
         run = torch.compile(lambda x: model(x), backend="eager")
     with pytest.warns(UserWarning, match="step 0 was sampled but the model's root forward already runs compiled"):
@@ -129,6 +126,39 @@ def test_root_compiled_after_watch_warns_then_probes_later_sampled_steps(how):
         p.close()
     _assert_equal(p.summary(), reference)
     assert p.summary().steps == 2
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_module_compile_after_watch_compiles_the_forward_and_is_probed_from_step_0(fullgraph):
+    """``model.compile()`` on a watched root compiles its forward: probe's hooks stay out of the
+    graph, so step 0 is probed and ``fullgraph=True`` works (it died on the hooks' graph break)."""
+    batches = _batches(4)
+    reference = _eager_reference(batches[0::2])
+    model = _model()
+    counting = _CountingBackend()
+    own = nn.Module.compile
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.watch(model, every=2) as p:
+            model.compile(backend=counting, fullgraph=fullgraph)
+            for x in batches:
+                model(x).square().sum().backward()
+    assert not [w for w in caught if str(w.message).startswith("probe:")]  # nothing skipped
+    _assert_equal(p.summary(), reference)
+    assert counting.runs == 2  # steps 1 and 3 ran the compiled forward, steps 0 and 2 eagerly
+    assert nn.Module.compile is own  # put back at close
+
+
+def test_a_module_class_with_its_own_compile_keeps_it():
+    """Keras models (torch backend) define ``compile(optimizer, loss)``: probe leaves it alone."""
+    class Trainable(SDPAModel):
+        def compile(self, optimizer=None, loss=None):
+            self.configured = (optimizer, loss)
+
+    model = Trainable(layers=2, heads=4, kv_heads=2, causal=True)
+    with probe.watch(model):
+        model.compile(optimizer="sgd", loss="mse")
+    assert model.configured == ("sgd", "mse")
 
 
 def test_module_compiled_in_place_before_watch_is_probed_from_step_0():

@@ -13,8 +13,11 @@ Where the stance can be set depends on who compiled what:
 
 - ``probe.watch(torch.compile(model))`` or compiled sub-modules: probe's root hooks run before
   the compiled code, the stance applies to the same step. No graph break.
-- ``torch.compile`` applied after ``probe.watch(model)``, ``model.compile()``, or a compiled
-  training step calling the model: Dynamo traces the root module's hooks. probe's hooks then
+- ``model.compile(...)`` after ``probe.watch(model)``: the watched root's ``compile`` compiles its
+  ``forward`` instead of its whole call (:func:`_compile`): as the first case, from step 0,
+  and ``fullgraph=True`` works.
+- ``torch.compile`` applied after ``probe.watch(model)``, or a compiled training step calling the
+  model: Dynamo traces the root module's hooks. probe's hooks then
   run outside the graph (``torch._dynamo.disable``: one graph break at the start and one at
   the end of the root forward, no break inside the model) and the stance, which only applies
   when a compiled function is entered, is armed at the end of the step before each sampled step.
@@ -23,7 +26,8 @@ Where the stance can be set depends on who compiled what:
   ``probe.watch`` (``model.compile(); probe.watch(model)``) is recognized at watch time and
   probed from step 0.
 
-Pitfalls: ``fullgraph=True`` around the root hooks is an error (the hooks are a graph break):
+Pitfalls: ``fullgraph=True`` around the root hooks is an error (the hooks are a graph break): a
+compiled training step calling the model, ``model.compile(fullgraph=True)`` before the watch;
 compile the model and watch the compiled module instead. On a sampled step the model runs at
 eager speed and with eager numerics (differences of float rounding from the fused kernels).
 A sampled step of a compiled or scripted model that yields no attention call at all (a graph
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -112,7 +117,8 @@ def is_compiled(model: nn.Module) -> bool:
         # AttributeError (336 against 150 us for the whole walk on a 4-layer BERT)
         state = module.__dict__
         if (isinstance(module, script) or state.get("_compiled_call_impl") is not None
-                or "_orig_mod" in state or "_orig_mod" in state.get("_modules", ())):
+                or "_orig_mod" in state or "_orig_mod" in state.get("_modules", ())
+                or hasattr(state.get("forward"), "_torchdynamo_orig_callable")):  # (_compile)
             return True
     return False
 
@@ -182,10 +188,17 @@ class EagerSteps:
 
     def attach(self, model: nn.Module) -> None:
         """At watch time: a root compiled in place (``model.compile()``) runs its hooks inside its
-        compiled ``_call_impl``, so they will be traced; arm for step 0 (always sampled) now."""
+        compiled ``_call_impl``, so they will be traced; arm for step 0 (always sampled) now.
+        A later ``model.compile(...)`` compiles the root's ``forward`` instead (:func:`_compile`)."""
         if getattr(model, "_compiled_call_impl", None) is not None:
             self.hooks_traced = True
             self.arm(True)
+        _watched_compile(model)
+
+    @staticmethod
+    def detach(model: Optional[nn.Module]) -> None:
+        """At close: ``model.compile`` is ``nn.Module.compile`` again (the last probe puts it back)."""
+        _unwatched_compile(model)
 
     def arm(self, next_sampled: bool) -> None:
         """Before the next root forward: eager if it is sampled and the root hooks are traced."""
@@ -193,3 +206,36 @@ class EagerSteps:
             self.enter()
         else:
             self.exit()
+
+
+#: Watched roots whose ``model.compile(...)`` compiles ``forward`` (:func:`_compile`).
+_ROOTS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_MODULE_COMPILE: List[Callable[..., Any]] = []  # nn.Module's own compile while it is replaced
+
+
+def _compile(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """``nn.Module.compile`` while a probe is open. On a watched root: ``torch.compile`` of its
+    ``forward`` (``model.forward`` becomes the compiled one), where ``nn.Module.compile`` compiles
+    its whole call, hooks included. probe's root hooks then stay out of the graph, as with
+    ``probe.watch(torch.compile(model))``: sampled steps are probed from step 0, unsampled steps run
+    the compiled forward without a graph break, and ``fullgraph=True`` works (the hooks inside the
+    compiled call were a graph break, which fullgraph makes an error: the first forward died). The
+    same results; other hooks on the root itself run eagerly too. Any other module: its own."""
+    if self in _ROOTS:
+        self.forward = torch.compile(self.forward, *args, **kwargs)
+        return None
+    return _MODULE_COMPILE[0](self, *args, **kwargs)
+
+
+def _watched_compile(model: nn.Module) -> None:
+    if not _MODULE_COMPILE:
+        _MODULE_COMPILE.append(nn.Module.compile)
+        nn.Module.compile = _compile  # type: ignore[method-assign]
+    _ROOTS.add(model)
+
+
+def _unwatched_compile(model: Optional[nn.Module]) -> None:
+    if model is not None:
+        _ROOTS.discard(model)
+    if not _ROOTS and _MODULE_COMPILE:
+        nn.Module.compile = _MODULE_COMPILE.pop()  # type: ignore[method-assign]

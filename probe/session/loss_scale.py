@@ -63,9 +63,10 @@ def current() -> Optional[Tensor]:
     return None if running is None else running[0]
 
 
-def acquire() -> None:
+def acquire() -> bool:
     """A probe with gradient metrics opens: wrap ``scale`` of torch's grad scalers (the first
-    one) and Keras's ``LossScaleOptimizer.scale_loss`` (the first with Keras loaded)."""
+    one) and Keras's ``LossScaleOptimizer.scale_loss`` (the first with Keras loaded). True: the
+    caller must :func:`release` once."""
     global _users
     with _lock:
         _users += 1
@@ -82,6 +83,7 @@ def acquire() -> None:
             cls = keras.LossScaleOptimizer
             _originals[(cls, "scale_loss")] = cls.__dict__["scale_loss"]
             cls.scale_loss = _wrap_keras(cls.__dict__["scale_loss"])  # type: ignore[attr-defined]
+    return True
 
 
 def release() -> None:

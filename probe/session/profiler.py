@@ -146,9 +146,8 @@ class Probe:
             model.register_forward_hook(RootHook(self._on_forward_end), with_kwargs=True, always_call=True),
             self._audit,  # its remove() removes the clip's optimizer hook
         ]
-        self._loss_scale = self.grads  # a GradScaler's loss scale taken out of the gradient metrics
-        if self._loss_scale:
-            loss_scale.acquire()
+        if self.grads:  # a GradScaler's loss scale taken out of the gradient metrics (until close)
+            self._loss_scale = loss_scale.acquire()
         # Closed without close() when collected or at interpreter exit, whichever comes first.
         self._finalizer = weakref.finalize(self, _close_forgotten, type(self), self.__dict__)
 
@@ -382,13 +381,14 @@ class Probe:
         self._close_window()
         self._life.close()
         self._finalizer.detach()
+        EagerSteps.detach(self._model_ref())  # its own compile back
         self._root = None  # a closed probe keeps nothing of the model alive
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._rec.empty_steps.end(closing=True)
         self._rec.grad_hooks.remove()
-        if self.__dict__.pop("_loss_scale", False):
+        if self.__dict__.pop("_loss_scale", False):  # (once, also for a forgotten probe's stand-in)
             loss_scale.release()
         self._stop_capture()
         drop_kept()  # the memory kept exponentials reused between steps (probe.stats.buffers)
