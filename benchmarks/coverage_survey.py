@@ -45,6 +45,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from probe.session.coverage import coverage  # noqa: E402
+from benchmarks.hf_auto_sweep import hfauto_cases, report as hf_auto_report  # noqa: E402
 from benchmarks.survey_more import compare, more_cases, values  # noqa: E402
 
 B, L, VOCAB = 2, 8, 64
@@ -538,7 +539,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     groups = args.only.split(",")
     sources: List[Tuple[str, Callable[[], Iterator[Case]]]] = [("hf", hf_cases), ("thirdparty", thirdparty_cases),
-                                                               ("more", more_cases), ("timm", timm_cases)]
+                                                               ("more", more_cases), ("timm", timm_cases),
+                                                               ("hfauto", hfauto_cases)]
     results: Dict[str, List[Dict[str, Any]]] = {}
     for group, cases in sources:
         if group not in groups:
@@ -554,7 +556,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             r = check(name, build, expected, args.quiet)
             if r is not None:
                 results.setdefault(group, []).append(r)
-    _hf_parity(results.get("hf", []))
+    _hf_parity(results.get("hf", []) + results.get("hfauto", []))
+    if "hfauto" in groups:
+        hf_auto_report()
     if args.markdown:
         print("\n| model / configuration | sites captured | front end | gradient metrics | problems |")
         print("| --- | --- | --- | --- | --- |")
