@@ -65,7 +65,12 @@ _FIXED: Dict[str, Any] = dict(
     attention_probs_dropout_prob=0.0, layerdrop=0.0)
 
 
-def _text(config: Any) -> Any:
+def _text(config: Any, site: str = "") -> Any:
+    """The sub-config of the tower that ran ``site``: an encoder-decoder's own, a composite's text."""
+    for part in ("encoder", "decoder"):
+        if site.startswith(part) and getattr(config, part, None) is not None and \
+                hasattr(getattr(config, part), "to_dict"):
+            return getattr(config, part)
     return getattr(config, "text_config", None) or config
 
 
@@ -95,13 +100,16 @@ _SCALE: Dict[str, Any] = {
     **{t: _multiplier for t in ("granitemoe", "granitemoeshared", "granite_swa", "granitemoe_swa",
                                 "granite_docling_text", "granite_speech", "granite_speech_plus")},
     # ``self.scaling = config.query_pre_attn_scalar ** -0.5``
-    **{t: (lambda c, site, d: _text(c).query_pre_attn_scalar ** -0.5) for t in ("gemma3", "t5gemma", "vaultgemma")},
+    **{t: (lambda c, site, d: _text(c, site).query_pre_attn_scalar ** -0.5) for t in ("gemma3", "t5gemma",
+                                                                                       "vaultgemma")},
     # "q/k are RMS-normalized per head, hence 1/d rather than 1/sqrt(d)"
     **{t: (lambda c, site, d: 1.0 / d) for t in ("inkling_text", "inkling_mm_model")},
     # ``q = qk_norm(q) * qk_scale_factor``, then ``head_dim ** -0.5``: a factor after a norm counts
     **{t: (lambda c, site, d: _text(c).qk_scale_factor * d ** -0.5) for t in ("muse_glimmer", "muse_glimmer_text",
                                                                            "muse_spark_text")},
     "mistral4": _mistral4,  # ``yarn_apply_mscale(rope_parameters, qk_head_dim ** -0.5)``
+    # MLA, and ``q_pass * mla_scale_q_lora``, ``q_rot * mla_scale_q_lora`` after q's projection
+    "longcat_flash": lambda c, site, d: _mistral4(c, site, d) * (c.hidden_size / c.q_lora_rank) ** 0.5,
     # ``self.scale = embed_dim ** -0.5``: the stage's width, not the head dim
     "cvt": lambda c, site, d: c.embed_dim[int(site.split("stages.")[1].split(".")[0])] ** -0.5,
     # DeBERTa's disentangled attention: ``sqrt(d * (1 + len(pos_att_type)))``
@@ -116,18 +124,21 @@ def _int(v: Any) -> bool:
 
 
 def _layer_list(values: list) -> list:
-    """A per-layer list cut to 2 layers, keeping two distinct kinds where it has them."""
+    """A per-layer list cut to 2 layers, keeping two distinct kinds where it has them, an attention
+    kind first (a hybrid's ``["linear_attention", "moe", "full_attention", ...]``)."""
     kinds = list(dict.fromkeys(values))
+    kinds.sort(key=lambda k: not ("att" in k and "linear" not in k))
     return (kinds[:2] if len(kinds) > 1 else values[:1] * 2)
 
 
-def tiny(defaults: Dict[str, Any], sub: Dict[str, Any]) -> Dict[str, Any]:
+def tiny(defaults: Dict[str, Any], sub: Dict[str, Any], mrope: bool = False) -> Dict[str, Any]:
     """The keyword arguments that shrink one config: every size field ``defaults`` (its default
-    ``to_dict()``) has, set to a tiny value; ``sub`` maps sub-config names to their defaults."""
+    ``to_dict()``) has, set to a tiny value; ``sub`` maps sub-config names to their defaults and
+    classes; ``mrope``: the config takes 3-D rotary sections (Qwen2-VL's ``mrope_section``)."""
     out: Dict[str, Any] = {}
     for key, value in defaults.items():
         if key in sub:
-            out[key] = tiny(sub[key], {})
+            out[key] = tiny(sub[key][0], {}, _mrope(sub[key][1]))
         elif key in _WIDTH and _int(value):
             out[key] = 32
         elif key in _LAYERS and _int(value):
@@ -163,16 +174,39 @@ def tiny(defaults: Dict[str, Any], sub: Dict[str, Any]) -> Dict[str, Any]:
             out[key] = VOCAB - 8 + (hash(key) % 8)
     if "max_position_embeddings" in out and out.get("max_source_positions"):
         out["max_position_embeddings"] = 64
+    # fields whose default is None or that follow others (each seen to fail the build otherwise)
+    if "head_dim" in defaults and defaults["head_dim"] is None and any(h in out for h in _HEADS):
+        out["head_dim"] = 8
+    if _int(defaults.get("qk_rope_head_dim")) and "head_dim" in defaults:
+        out["head_dim"] = out["qk_rope_head_dim"]  # MLA: the rotary part's dim (DeepSeek-V3's rope)
+    for key, value in (("moe_k", 2), ("num_experts_per_token", 2), ("attn_layer_period", 2), ("attn_layer_offset", 1),
+                       ("expert_layer_period", 2), ("expert_layer_offset", 1)):
+        if _int(defaults.get(key)):
+            out[key] = value
+    if "num_experts_per_tok" in defaults and defaults["num_experts_per_tok"] is None and \
+            any(_int(defaults.get(e)) for e in _EXPERTS):
+        out["num_experts_per_tok"] = 2  # DeepSeek-V2's default None
+    if "attn_layer_indices" in defaults:
+        out["attn_layer_indices"] = [1]
+    if isinstance(defaults.get("mlp_layer_types"), list):
+        out["mlp_layer_types"] = _layer_list(defaults["mlp_layer_types"])
+    rope = defaults.get("rope_parameters")
+    if isinstance(rope, dict) and (isinstance(rope.get("mrope_section"), list) or mrope):
+        out["rope_parameters"] = dict(rope, mrope_section=[2, 1, 1])  # 3-D rotary sections: sum head_dim / 2
     return out
+
+
+def _mrope(cls: Any) -> bool:
+    return "mrope_section" in (getattr(cls, "ignore_keys_at_rope_validation", None) or ())
 
 
 def _config(model_type: str, impl: str) -> Any:
     from transformers import AutoConfig
 
     base = AutoConfig.for_model(model_type)
-    subs = {name: (getattr(base, name).to_dict() if getattr(base, name, None) is not None else cls().to_dict())
+    subs = {name: (getattr(base, name).to_dict() if getattr(base, name, None) is not None else cls().to_dict(), cls)
             for name, cls in (getattr(base, "sub_configs", None) or {}).items()}
-    kwargs = tiny(base.to_dict(), subs)
+    kwargs = tiny(base.to_dict(), subs, _mrope(type(base)))
     config = AutoConfig.for_model(model_type, **kwargs)
     config._attn_implementation = impl
     for name in subs:
@@ -219,6 +253,12 @@ def _inputs(model: nn.Module, config: Any, padding: Optional[str]) -> List[Dict[
                   {"input_features": torch.randn(B, 64, mels, generator=g)}]
     elif main in params:
         cands.append({main: torch.randn(B, L, 32, generator=g)})
+    if "grid_thw" in params and "hidden_states" in params:  # Qwen2-VL's vision tower: flattened patches
+        t = getattr(config, "temporal_patch_size", 1) or 1
+        p = getattr(config, "patch_size", 8)
+        c = getattr(config, "in_channels", None) or getattr(config, "num_channels", 3)
+        cands = [{"hidden_states": torch.randn(16 * B, c * t * p * p, generator=g),
+                  "grid_thw": torch.tensor([[1, 4, 4]] * B)}]
     if "noise" in params and main == "pixel_values":  # ViT-MAE's random masking, fixed for every forward
         patches = (size // getattr(vision, "patch_size", 8)) ** 2
         cands = [dict(c, noise=torch.rand(B, patches, generator=g)) for c in cands]
@@ -313,7 +353,13 @@ def _expected(model_type: str) -> Callable[[str, int], float]:
     def scale(site: str, d: int) -> float:
         if rule is None:
             return d ** -0.5
-        return float(rule(CONFIGS[model_type], site, d)) if callable(rule) else float(rule)
+        if not callable(rule):
+            return float(rule)
+        try:
+            return float(rule(CONFIGS[model_type], site, d))
+        except Exception as err:  # noqa: BLE001 - a rule that does not fit this config: said, never passed
+            print(f"hfauto/{model_type}: its expected-scale rule failed at {site} ({type(err).__name__}: {err})")
+            return -1.0
     return scale
 
 

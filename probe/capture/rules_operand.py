@@ -185,6 +185,8 @@ def replay(tracer: Any, op: Op) -> None:
     x = op.args[0] if op.args else None
     data = op.args[:1] if op.kind in K.FIRST else (*op.args, *op.kwargs.values())  # not type_as's `other`
     inputs = [t for a in data for t in K.tensors(a)]
+    if op.kind == K.JOIN:  # an empty part adds nothing (a KV cache's first update: cat([empty, k]))
+        inputs = [t for t in inputs if t.numel() > 0] or inputs
     records = [op.rec(t) for t in inputs]
     operands = [r for r in records if isinstance(r, Operand)]
     first = operands[0]
