@@ -46,7 +46,8 @@ _LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_la
            "num_encoder_layers", "num_decoder_layers", "decoder_num_hidden_layers", "text_layers", "vision_layers",
            "num_single_text_layers")
 _HEADS = ("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads",
-          "attention_heads", "decoder_num_attention_heads", "num_heads")
+          "attention_heads", "decoder_num_attention_heads", "num_heads", "num_self_attention_heads",
+          "num_cross_attention_heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num", "encoder_kv_heads")
 _HEAD_DIM = ("head_dim", "d_kv", "kv_channels", "attention_head_size", "v_head_dim")
 _FFN = ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner", "hidden_dim",
@@ -61,6 +62,7 @@ _FIXED: Dict[str, Any] = dict(
     num_mel_bins=16, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, ssm_state_size=8,
     mamba_d_state=8, state_size=8, mamba_num_heads=4, mamba_head_dim=16, mamba_n_heads=4, initializer_range=0.3,
     rotary_dim=4, first_k_dense_replace=1, num_nextn_predict_layers=0, attention_window=4,
+    num_latents=8, d_latents=32, num_self_attends_per_block=2,  # Perceiver's latent array
     dropout=0.0, attention_dropout=0.0, hidden_dropout=0.0, hidden_dropout_prob=0.0,
     attention_probs_dropout_prob=0.0, layerdrop=0.0)
 
@@ -117,6 +119,10 @@ _SCALE: Dict[str, Any] = {
     "zamba2": lambda c, site, d: (d / 2) ** -0.5,  # ``self.scaling = (self.head_dim / 2) ** -0.5``
 }
 CONFIGS: Dict[str, Any] = {}
+#: inputs a type needs besides its main one
+_EXTRA: Dict[str, Dict[str, Any]] = {
+    "rwkv": {"use_cache": False},  # its own backward raises with its state cache (updated in place), probe or not
+}
 
 
 def _int(v: Any) -> bool:
@@ -262,6 +268,7 @@ def _inputs(model: nn.Module, config: Any, padding: Optional[str]) -> List[Dict[
     if "noise" in params and main == "pixel_values":  # ViT-MAE's random masking, fixed for every forward
         patches = (size // getattr(vision, "patch_size", 8)) ** 2
         cands = [dict(c, noise=torch.rand(B, patches, generator=g)) for c in cands]
+    cands = [dict(c, **_EXTRA.get(config.model_type, {})) for c in cands]
     out = []
     for c in cands:
         if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
