@@ -3,6 +3,7 @@ attention in real third-party code? (issues 17 and 25; kept apart from README's 
 
     PYTHONPATH=. python benchmarks/coverage_survey.py [--only hf,thirdparty,more,timm] [--quiet]
     /work/timm-venv/bin/python benchmarks/coverage_survey.py --only timm     # real timm
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/coverage_survey.py --only hfauto  # every other HF type
 
 docs/models.md's support table is written from the JSON results of both environments:
 
@@ -10,7 +11,9 @@ docs/models.md's support table is written from the JSON results of both environm
     PYTHONPATH=. /work/timm-venv/bin/python benchmarks/coverage_survey.py --only thirdparty,timm --json /tmp/timm.json
     python benchmarks/coverage_survey.py --docs docs/models.md /tmp/sys.json /tmp/timm.json
 
-Models: Hugging Face architectures from tiny random configs (eager and sdpa), third-party
+Models: Hugging Face architectures from tiny random configs (eager and sdpa; ``hfauto``, not in the
+default groups: every other transformers model type, built automatically by
+benchmarks/hf_auto_sweep.py, about 10 minutes on one core), third-party
 configurations (x-transformers, rotary-embedding-torch, nanoGPT / minGPT written from their
 published code, vit-pytorch when importable), more libraries (benchmarks/survey_more.py:
 diffusers, peft, fair-esm, perceiver-pytorch, flamingo-pytorch, reformer-pytorch) and real timm

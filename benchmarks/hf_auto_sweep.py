@@ -26,7 +26,6 @@ records what the model's own code applies (read in its ``modeling_*.py``).
 from __future__ import annotations
 
 import inspect
-import math
 import signal
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple

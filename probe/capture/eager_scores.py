@@ -17,8 +17,8 @@ from torch import Tensor
 from probe.call import AttentionCall
 from probe.capture.records import Operand, Scores
 
-__all__ = ["MASK_BIAS", "MASK_FILL", "broadcasts", "factor", "grad_map", "head_mix", "heads_of", "lift", "number",
-           "kv_heads", "permuted", "prescale_factor", "repeat_kv", "rescaled", "reshaped", "scaled", "to_call", "unfold",
+__all__ = ["MASK_BIAS", "MASK_FILL", "broadcasts", "factor", "grad_map", "head_mix", "heads_of", "kv_heads", "lift",
+           "number", "permuted", "prescale_factor", "repeat_kv", "rescaled", "reshaped", "scaled", "to_call", "unfold",
            "windowed"]
 
 #: A floor at or below this only touches masked entries (``torch.max(scores, finfo.min)``).

@@ -208,9 +208,9 @@ def replay(tracer: Any, op: Op) -> None:
         for o, b in zip(outs, bases):
             if isinstance(b, Tensor) and tuple(b.shape) == tuple(o.shape):
                 _note_fold(tracer, op, x, o, first)
-                tracer.set(o, dataclasses.replace(first, base=b, kv=_kv(op, x, o, first), merged=_merged(op, x, o, first),
-                                                  batch_at=_batch_at(op, x, o, first), lead=_lead(op, x, o, first),
-                                                  ops=first.ops + (op.name,)))
+                tracer.set(o, dataclasses.replace(first, base=b, kv=_kv(op, x, o, first),
+                                                  merged=_merged(op, x, o, first), batch_at=_batch_at(op, x, o, first),
+                                                  lead=_lead(op, x, o, first), ops=first.ops + (op.name,)))
             else:
                 tracer.set(o, _opaque(first, f"`{op.name}` on q or k after its factor"))
         return
