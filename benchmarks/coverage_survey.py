@@ -3,6 +3,7 @@ attention in real third-party code? (issues 17 and 25; kept apart from README's 
 
     PYTHONPATH=. python benchmarks/coverage_survey.py [--only hf,thirdparty,more,timm] [--quiet]
     /work/timm-venv/bin/python benchmarks/coverage_survey.py --only timm     # real timm
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/coverage_survey.py --only hfauto  # every other HF type
 
 docs/models.md's support table is written from the JSON results of both environments:
 
@@ -10,7 +11,9 @@ docs/models.md's support table is written from the JSON results of both environm
     PYTHONPATH=. /work/timm-venv/bin/python benchmarks/coverage_survey.py --only thirdparty,timm --json /tmp/timm.json
     python benchmarks/coverage_survey.py --docs docs/models.md /tmp/sys.json /tmp/timm.json
 
-Models: Hugging Face architectures from tiny random configs (eager and sdpa), third-party
+Models: Hugging Face architectures from tiny random configs (eager and sdpa; ``hfauto``, not in the
+default groups: every other transformers model type, built automatically by
+benchmarks/hf_auto_sweep.py, about 10 minutes on one core), third-party
 configurations (x-transformers, rotary-embedding-torch, nanoGPT / minGPT written from their
 published code, vit-pytorch when importable), more libraries (benchmarks/survey_more.py:
 diffusers, peft, fair-esm, perceiver-pytorch, flamingo-pytorch, reformer-pytorch) and real timm
@@ -45,6 +48,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from probe.session.coverage import coverage  # noqa: E402
+from benchmarks.hf_auto_sweep import hfauto_cases, report as hf_auto_report  # noqa: E402
 from benchmarks.survey_more import compare, more_cases, values  # noqa: E402
 
 B, L, VOCAB = 2, 8, 64
@@ -538,7 +542,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     groups = args.only.split(",")
     sources: List[Tuple[str, Callable[[], Iterator[Case]]]] = [("hf", hf_cases), ("thirdparty", thirdparty_cases),
-                                                               ("more", more_cases), ("timm", timm_cases)]
+                                                               ("more", more_cases), ("timm", timm_cases),
+                                                               ("hfauto", hfauto_cases)]
     results: Dict[str, List[Dict[str, Any]]] = {}
     for group, cases in sources:
         if group not in groups:
@@ -554,7 +559,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             r = check(name, build, expected, args.quiet)
             if r is not None:
                 results.setdefault(group, []).append(r)
-    _hf_parity(results.get("hf", []))
+    _hf_parity(results.get("hf", []) + results.get("hfauto", []))
+    if "hfauto" in groups:
+        hf_auto_report()
     if args.markdown:
         print("\n| model / configuration | sites captured | front end | gradient metrics | problems |")
         print("| --- | --- | --- | --- | --- |")

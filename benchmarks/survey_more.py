@@ -233,12 +233,19 @@ def _unmasked_inputs(logits: Any) -> Any:
 
 
 def _without_masked_rows(logits: Any, probs: Tensor) -> Tensor:
-    """``probs`` with NaN on rows whose every softmax input is masked (``-inf`` or at most half the
-    dtype's most negative value: Hugging Face's eager left-padded query rows, which it spreads
-    uniformly): such a row has no valid key (docs/metrics.md) and ``_stats`` skips it."""
+    """``probs`` with NaN on rows whose every softmax input is masked (``-inf``, at most half the
+    dtype's most negative value or -1e9: Hugging Face's eager left-padded query rows, which it
+    spreads uniformly; or all equal, once the row's max was subtracted): such a row has no valid
+    key (docs/metrics.md) and ``_stats`` skips it."""
     if not isinstance(logits, Tensor) or logits.shape != probs.shape or not logits.is_floating_point():
         return probs
-    masked = (logits <= torch.finfo(logits.dtype).min / 2).all(-1, keepdim=True)
+    # a fill of -1e9 or below (LongT5's -1e10 on the query rows it pads to a block) masks a row
+    # as surely as finfo.min; no score reaches it (Visformer's reach -6e4)
+    fill = max(torch.finfo(logits.dtype).min / 2, -1e9)
+    masked = (logits <= fill).all(-1, keepdim=True)
+    # every input equal: such a row after ``x - x.max(-1)`` (MiMo-V2-Flash), which zeroes a fully
+    # masked row's fills; exact ties across a whole row of real scores do not happen
+    masked |= (logits == logits[..., :1]).all(-1, keepdim=True) & (logits.shape[-1] > 1)
     return probs.masked_fill(masked, math.nan) if bool(masked.any()) else probs
 
 
@@ -268,6 +275,10 @@ def _sdpa_probs(args: tuple, kwargs: dict, scale_of: Callable[[float, int], Opti
         r = scale * raw / declared  # q·kᵀ without the model's scale
         out["unscaled"] = torch.softmax(r + bias, -1)
         out["standard"] = torch.softmax(standard * r + bias, -1)
+        # at a counterfactual scale the logits may spread beyond 69 (MobileBERT unscaled): keys
+        # below 1e-30 that no mask removes are valid, as at ``actual~``
+        out["unscaled~"] = (out["unscaled"], bias > _UNMASKED)
+        out["standard~"] = (out["standard"], bias > _UNMASKED)
     return out
 
 

@@ -25,7 +25,8 @@ Rules (a taint follows the scores from the product to the softmax):
 * weights that are not a softmax probe measures are events it names, never measures:
   ``F.gumbel_softmax`` of scores (its noise is drawn inside one call), and a sigmoid of the scores
   of one product (no norm or other product since) once it multiplies an activation (sigmoid
-  attention, ``sigmoid(q·kᵀ·s) @ v``);
+  attention, ``sigmoid(q·kᵀ·s) @ v``), and so an arc-cosine kernel of them (YOSO's
+  ``(1 - acos(q̂·k̂)/π)^τ @ v``);
 * a tensor produced where the audit could not see (a TorchScript function, a C++ extension) has
   no taint; with autograd on, a softmax input whose graph reaches a tainted tensor within a few
   nodes is still an event ("went through code probe cannot see");
@@ -47,19 +48,20 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from probe.capture.audit_taint import (ATTENTION, CUTS, DIV, EXP, GRAPH_CUTS, GRAPH_DEPTH, GUMBEL, LOG_SOFTMAX,
-                                       PRODUCTS, SIGMOID, SOFTMAX, Event, Taint, keeps_scores, operands, step,
-                                       tensors_in)
-from probe.capture.ops import (CAST, DETACH, DIV as DIV_, DROPOUT, EXPAND, INDEX, MASKED_FILL, MUL, NORM, PERMUTE,
-                               TRANSPOSE, VIEW, WHERE, funcs_of, name_of)
+from probe.capture.audit_taint import (ATTENTION, CUTS, DIV, EXP, GRAPH_CUTS, GRAPH_DEPTH, GUMBEL, KERNEL,
+                                       LOG_SOFTMAX, POW, PRODUCTS, SIGMOID, SOFTMAX, Event, Taint, keeps_scores,
+                                       operands, step, tensors_in)
+from probe.capture.ops import (ADD, CAST, DETACH, DIV as DIV_, DROPOUT, EXPAND, INDEX, MASKED_FILL, MUL, NORM, PERMUTE,
+                               RSUB, SUB, TRANSPOSE, VIEW, WHERE, funcs_of, name_of)
 
 __all__ = ["Audit", "Event"]
 
 _name = name_of
 #: ops after which a tensor is no longer the scores of one product (another product, a norm)
 _NOT_SCORES = frozenset(map(name_of, PRODUCTS | funcs_of(NORM)))
-#: ops between a sigmoid of scores and its product with v that keep it the weights
-_KEEP_WEIGHTS = funcs_of(CAST, DETACH, DROPOUT, VIEW, TRANSPOSE, PERMUTE, EXPAND, INDEX, MASKED_FILL, WHERE, MUL, DIV_)
+#: ops between a sigmoid (or kernel) of scores and its product with v that keep it the weights
+_KEEP_WEIGHTS = funcs_of(CAST, DETACH, DROPOUT, VIEW, TRANSPOSE, PERMUTE, EXPAND, INDEX, MASKED_FILL, WHERE, MUL, DIV_,
+                         ADD, SUB, RSUB) | POW
 
 
 class Audit(TorchFunctionMode):
@@ -349,9 +351,11 @@ class Audit(TorchFunctionMode):
         if func in CUTS and (taint.axis is None or taint.axis == -1):
             return  # a linear layer over the keys: an output layer; over the heads (axis moved) a mix
         taint = step(func, args, kwargs, taint, outs, self._taint)
-        if func in SIGMOID and inputs[0].dim() >= 3 and not any(op in _NOT_SCORES for op in taint.ops[1:]):
-            # weights of sigmoid attention once they multiply v (scores from one product, no norm since)
-            taint = dataclasses.replace(taint, weights=dataclasses.replace(self._event(taint), kind="sigmoid"))
+        if (func in SIGMOID or func in KERNEL) and inputs[0].dim() >= 3 and \
+                not any(op in _NOT_SCORES for op in taint.ops[1:]):
+            # weights of sigmoid or kernel attention once they multiply v (scores from one product, no norm since)
+            kind = "sigmoid" if func in SIGMOID else "kernel"
+            taint = dataclasses.replace(taint, weights=dataclasses.replace(self._event(taint), kind=kind))
         elif taint.weights is not None and func not in _KEEP_WEIGHTS:
             taint = dataclasses.replace(taint, weights=None)  # not the weights any more (a conv, a sum...)
         targets = outs

@@ -40,6 +40,11 @@ ATTENTION = {F.scaled_dot_product_attention: "sdpa", F.multi_head_attention_forw
 GUMBEL = frozenset({F.gumbel_softmax})
 SIGMOID = frozenset(f for f in (torch.sigmoid, F.sigmoid, torch.special.expit, Tensor.sigmoid,
                                 torch._C.TensorBase.sigmoid) if f is not None)
+#: the arc-cosine kernel of normalized scores (YOSO's expectation attention, ``(1 - acos(q̂·k̂)/π)^τ @ v``):
+#: an event, as a sigmoid is, once it multiplies an activation
+KERNEL = frozenset(f for f in (torch.acos, torch.arccos, Tensor.acos, Tensor.arccos) if f is not None)
+#: powers, between such a kernel and its product with v
+POW = frozenset(f for f in (torch.pow, Tensor.pow, Tensor.__pow__) if f is not None)
 #: how far back the autograd graph is searched for scores that went through unseen code
 GRAPH_DEPTH = 24
 #: autograd nodes of contractions with weights: the search stops there (what lies behind is
@@ -84,6 +89,8 @@ class Event:
             return "F.gumbel_softmax over the scores (its Gumbel noise is drawn inside the call: not measured)"
         if self.kind == "sigmoid":
             return "sigmoid attention (a sigmoid over the scores, not a softmax: not measured)"
+        if self.kind == "kernel":
+            return "kernel attention (an arc-cosine kernel of the scores, not a softmax: not measured)"
         if self.kind != "softmax":
             return f"the {self.kind} call was not understood"
         if self.dim is not None:

@@ -17,8 +17,8 @@ from torch import Tensor
 from probe.call import AttentionCall
 from probe.capture.records import Operand, Scores
 
-__all__ = ["MASK_BIAS", "MASK_FILL", "broadcasts", "factor", "grad_map", "head_mix", "heads_of", "lift", "number",
-           "permuted", "prescale_factor", "repeat_kv", "rescaled", "reshaped", "scaled", "to_call", "unfold",
+__all__ = ["MASK_BIAS", "MASK_FILL", "broadcasts", "factor", "grad_map", "head_mix", "heads_of", "kv_heads", "lift",
+           "number", "permuted", "prescale_factor", "repeat_kv", "rescaled", "reshaped", "scaled", "to_call", "unfold",
            "windowed"]
 
 #: A floor at or below this only touches masked entries (``torch.max(scores, finfo.min)``).
@@ -65,6 +65,14 @@ def repeat_kv(x: Tensor, out: Tensor) -> Optional[Operand]:
             and base.unsqueeze(2).expand(x.shape).stride() == x.stride()):
         return Operand(kv=base)
     return Operand(kv=x.select(2, 0))
+
+
+def kv_heads(k: Tensor, kv_heads: int) -> Tensor:
+    """The first copy of each kv head in ``k`` (``(B, Hk·n, S, d)``, ``repeat_kv``'s layout: head
+    ``g·n + j`` is copy ``j`` of kv head ``g``): a scaled k's unscaled kv heads, read from its base."""
+    if k.dim() != 4 or kv_heads < 1 or k.shape[1] % kv_heads:
+        return k
+    return k.unflatten(1, (kv_heads, k.shape[1] // kv_heads)).select(2, 0)
 
 
 def prescale_factor(s: Any, invert: bool) -> Tuple[Optional[float], Optional[Tensor]]:

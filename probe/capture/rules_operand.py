@@ -185,6 +185,8 @@ def replay(tracer: Any, op: Op) -> None:
     x = op.args[0] if op.args else None
     data = op.args[:1] if op.kind in K.FIRST else (*op.args, *op.kwargs.values())  # not type_as's `other`
     inputs = [t for a in data for t in K.tensors(a)]
+    if op.kind == K.JOIN:  # an empty part adds nothing (a KV cache's first update: cat([empty, k]))
+        inputs = [t for t in inputs if t.numel() > 0] or inputs
     records = [op.rec(t) for t in inputs]
     operands = [r for r in records if isinstance(r, Operand)]
     first = operands[0]
@@ -206,20 +208,34 @@ def replay(tracer: Any, op: Op) -> None:
         for o, b in zip(outs, bases):
             if isinstance(b, Tensor) and tuple(b.shape) == tuple(o.shape):
                 _note_fold(tracer, op, x, o, first)
-                tracer.set(o, dataclasses.replace(first, base=b, kv=None, merged=_merged(op, x, o, first),
-                                                  batch_at=_batch_at(op, x, o, first), lead=_lead(op, x, o, first),
-                                                  ops=first.ops + (op.name,)))
+                tracer.set(o, dataclasses.replace(first, base=b, kv=_kv(op, x, o, first),
+                                                  merged=_merged(op, x, o, first), batch_at=_batch_at(op, x, o, first),
+                                                  lead=_lead(op, x, o, first), ops=first.ops + (op.name,)))
             else:
                 tracer.set(o, _opaque(first, f"`{op.name}` on q or k after its factor"))
         return
     # no factor: only layout facts, where the op keeps them
     for o in op.outs:
-        kv = first.kv if op.kind in (K.CAST, K.DETACH) else (
-            first.kv.transpose(-1, -2) if first.kv is not None and _swaps_last_two(op, x) else None)
+        kv = _kv(op, x, o, first)
         merged, batch_at, lead = _merged(op, x, o, first), _batch_at(op, x, o, first), _lead(op, x, o, first)
         _note_fold(tracer, op, x, o, first)
         if kv is not None or merged is not None or batch_at is not None or lead is not None:
             tracer.set(o, Operand(kv=kv, merged=merged, batch_at=batch_at, lead=lead))
+
+
+def _kv(op: Op, x: Any, out: Tensor, record: Operand) -> Optional[Tensor]:
+    """The kv heads ``out`` repeats, scaled or not: kept through a cast and a swap of the last two
+    dims, found at ``repeat_kv``'s reshape of a tensor that already carries a factor (MiMo-V2's
+    ``v * v_scale``, a k scaled before it is repeated); without them a grouped-query call's k or v
+    would be recorded per query head, and its ``grad_k`` / ``grad_v`` could not join the site's."""
+    if op.kind == K.VIEW and isinstance(x, Tensor) and x.dim() == 5 and out.dim() == 4 and x.stride(2) == 0:
+        repeated = repeat_kv(x, out)
+        return None if repeated is None else repeated.kv
+    if record.kv is None:
+        return None
+    if op.kind in (K.CAST, K.DETACH):
+        return record.kv
+    return record.kv.transpose(-1, -2) if _swaps_last_two(op, x) else None
 
 
 def _batch_at(op: Op, x: Any, out: Tensor, record: Optional[Operand]) -> Optional[int]:

@@ -31,7 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from probe.capture import ops as K
-from probe.capture.eager_scores import broadcasts, grad_map, head_mix, heads_of, number, permuted, unfold, windowed
+from probe.capture.eager_scores import (broadcasts, grad_map, head_mix, heads_of, kv_heads, number, permuted, unfold,
+                                        windowed)
 from probe.capture.records import Derived, Moved, Operand, Probs, Scores
 from probe.capture.rules import Op, default, rule, unknown
 
@@ -92,10 +93,9 @@ def start(tracer: Any, op: Op, own_a: Any, own_b: Any, q_of: Map = _same, k_of: 
             scale_t = f.reshape(1) if scale_t is None else scale_t * f.reshape(1)
         else:
             scale = scale * f
-    if rb is not None and rb.kv is not None and rb.base is None:
-        k = k_of(rb.kv)  # grouped-query attention: the kv heads, not their repeated copies
-    heads_from = None
-    merged = None
+    if rb is not None and rb.kv is not None:  # grouped-query attention: the kv heads, not their repeated copies
+        k = k_of(rb.kv) if rb.base is None else kv_heads(k, rb.kv.shape[1])
+    heads_from = merged = None
     lead = next((r.lead for r in (ra, rb) if r is not None and r.lead is not None), None) if q.dim() >= 4 else None
     fold = lead or (tracer.fold_of(q.shape[0]) if q.dim() >= 4 else None)
     if lead is not None and q.dim() == 4 and q.shape[0] == lead[0] * lead[1] and k.shape[0] % lead[0] == 0:

@@ -4,9 +4,10 @@ x-transformers' ``attn_sigmoid`` (``sigmoid(q·kᵀ·s) @ v``) and ``attn_gumbel
 (``F.gumbel_softmax(q·kᵀ·s) @ v``) ran with no row in ``probe.coverage`` and no warning: the audit
 looked only for softmaxes, and ``F.gumbel_softmax`` is one call the torch-function modes cannot
 look into (its noise is drawn inside). Both are now attention events the audit names ("NOT
-measured", with the reason); a sigmoid counts once its output multiplies an activation, and only
-over scores of one product (no norm or second product since: hyper-connection gates over a
-normed residual stream are not attention). Next to them a softmax attention is still measured
+measured", with the reason), and so is YOSO's arc-cosine kernel ``(1 - acos(q̂·k̂)/π)^τ @ v``
+(0 sites and no warning before: found by ``benchmarks/hf_auto_sweep.py``); a sigmoid or a kernel
+counts once its output multiplies an activation, and only over scores of one product (no norm or
+second product since: hyper-connection gates over a normed residual stream are not attention). Next to them a softmax attention is still measured
 exactly (oracle: the model's own q and k in float64).
 """
 
@@ -45,6 +46,9 @@ class Attn(nn.Module):
             p = F.sigmoid(s)
         elif self.kind == "gumbel":
             p = F.gumbel_softmax(s, tau=0.5, hard=False, dim=-1)
+        elif self.kind == "kernel":  # YOSO's expectation attention: an arc-cosine kernel of normalized q and k
+            c = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-1, -2)
+            p = (1 - torch.acos(c.clamp(-1, 1)) / math.pi) ** 8
         elif self.kind == "gated":  # a sigmoid gate over a norm of the scores: not attention weights
             p = s.softmax(-1) * (F.layer_norm(s, (L,)) @ self.gate).sigmoid()[..., None]
         else:
@@ -75,7 +79,8 @@ def _run(net: Net) -> tuple:
     return p.summary(), [str(w.message) for w in caught]
 
 
-@pytest.mark.parametrize("kind, why", [("sigmoid", "sigmoid attention"), ("gumbel", "F.gumbel_softmax")])
+@pytest.mark.parametrize("kind, why", [("sigmoid", "sigmoid attention"), ("gumbel", "F.gumbel_softmax"),
+                                       ("kernel", "kernel attention")])
 def test_an_attention_that_is_not_a_softmax_is_named(kind: str, why: str) -> None:
     torch.manual_seed(0)
     net = Net(["softmax", kind])
