@@ -154,6 +154,17 @@ def _expected(rule: Any) -> Callable[[str, int], float]:
     return scale
 
 
+def padding_mask(n: int, padding: str) -> torch.Tensor:
+    """A ``(B, n)`` attention mask whose last batch row has its first (``"left"``) or last
+    (``"right"``) third padded."""
+    mask = torch.ones(B, n, dtype=torch.long)
+    if padding == "left":
+        mask[-1, : n // 3] = 0
+    else:
+        mask[-1, n - n // 3 :] = 0
+    return mask
+
+
 def _hf_inputs(kind: str, config: Any, padding: Optional[str] = None) -> dict:
     """The model's inputs; ``padding`` ``"left"`` or ``"right"``: an ``attention_mask`` whose last
     batch row has its first or last third padded (text and seq2seq models; left padding gives a
@@ -165,12 +176,7 @@ def _hf_inputs(kind: str, config: Any, padding: Optional[str] = None) -> dict:
         if kind == "seq2seq":
             out["decoder_input_ids"] = torch.randint(3, VOCAB, (B, L), generator=g)
         if padding is not None:
-            mask = torch.ones(B, n, dtype=torch.long)
-            if padding == "left":
-                mask[-1, : n // 3] = 0
-            else:
-                mask[-1, n - n // 3 :] = 0
-            out["attention_mask"] = mask
+            out["attention_mask"] = padding_mask(n, padding)
         return out
     if kind == "whisper":
         return {"input_features": torch.randn(B, 8, 16, generator=g),

@@ -232,17 +232,14 @@ def _inputs(model: nn.Module, config: Any, padding: Optional[str]) -> List[Dict[
     size = size if _int(size) else 32
     channels = getattr(vision, "num_channels", 3) if _int(getattr(vision, "num_channels", 3)) else 3
     mels = getattr(audio, "num_mel_bins", None) or getattr(audio, "input_feat_per_channel", None) or 16
+    from benchmarks.coverage_survey import padding_mask  # (it imports this module)
+
     ids = torch.randint(4, VOCAB - 64, (B, L), generator=g)
     cands: List[Dict[str, Any]] = []
     if main == "input_ids":
         base = {"input_ids": ids}
         if padding is not None:
-            mask = torch.ones(B, L, dtype=torch.long)
-            if padding == "left":
-                mask[-1, : L // 3] = 0
-            else:
-                mask[-1, L - L // 3:] = 0
-            base["attention_mask"] = mask
+            base["attention_mask"] = padding_mask(L, padding)
         cands.append(base)
     elif main == "pixel_values":
         cands += [{"pixel_values": torch.randn(B, channels, size, size, generator=g)},
