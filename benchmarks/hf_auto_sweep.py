@@ -136,33 +136,26 @@ def _layer_list(values: list) -> list:
     return (kinds[:2] if len(kinds) > 1 else values[:1] * 2)
 
 
+#: Size fields (the groups are disjoint) and the tiny value each takes.
+_SIZES = ((_WIDTH, 32), (_LAYERS, 2), (_HEADS, 4), (_HEAD_DIM, 8), (_FFN, 64), (_MOE_FFN, 32), (_EXPERTS, 4))
+
+
 def tiny(defaults: Dict[str, Any], sub: Dict[str, Any], mrope: bool = False) -> Dict[str, Any]:
     """The keyword arguments that shrink one config: every size field ``defaults`` (its default
     ``to_dict()``) has, set to a tiny value; ``sub`` maps sub-config names to their defaults and
     classes; ``mrope``: the config takes 3-D rotary sections (Qwen2-VL's ``mrope_section``)."""
     out: Dict[str, Any] = {}
     for key, value in defaults.items():
+        size = next((n for fields, n in _SIZES if key in fields), None)
         if key in sub:
             out[key] = tiny(sub[key][0], {}, _mrope(sub[key][1]))
-        elif key in _WIDTH and _int(value):
-            out[key] = 32
-        elif key in _LAYERS and _int(value):
-            out[key] = 2
-        elif key in _HEADS and _int(value):
-            out[key] = 4
+        elif size is not None and _int(value):
+            out[key] = size
         elif key in _HEADS and isinstance(value, list) and value and all(_int(v) for v in value):
             out[key] = [2] * len(value)
         elif key in _KV_HEADS and _int(value):
             heads = next((defaults[h] for h in _HEADS if _int(defaults.get(h))), None)
             out[key] = 1 if value == 1 else (4 if value == heads else 2)
-        elif key in _HEAD_DIM and _int(value):
-            out[key] = 8
-        elif key in _FFN and _int(value):
-            out[key] = 64
-        elif key in _MOE_FFN and _int(value):
-            out[key] = 32
-        elif key in _EXPERTS and _int(value):
-            out[key] = 4
         elif key in _FIXED and (_int(value) or isinstance(value, float)) and value != 0 or key in _FIXED and \
                 key.endswith(("dropout", "_prob")):
             out[key] = _FIXED[key]
