@@ -171,14 +171,15 @@ class GradHooks:
         backward). Those hooks stay, up to :data:`HELD_STEPS` steps, until their backward ran or
         their outputs are gone; their gradients count for their own step."""
         current = self.hooks.step
-        held = [h for h in self._held if self._waits(h)]
-        done = [h for h in self._held if not self._waits(h)]
+        candidates = list(self._held)
         if current is not None and current != step:
-            mine = _Held(current, self.hooks, self._sentinels, self._outputs)
-            (held if self._waits(mine) else done).append(mine)
+            candidates.append(_Held(current, self.hooks, self._sentinels, self._outputs))
             self.hooks = BackwardHooks(self._on_logits, self._on_input, self._warn)
             self._sentinels, self._outputs = [], []
             self.recompute.remove()  # (a checkpointed call of a held step is named, not recomputed)
+        held, done = [], []
+        for h in candidates:
+            (held if self._waits(h) else done).append(h)
         while len(held) > HELD_STEPS:
             done.append(held.pop(0))
         self._held = held

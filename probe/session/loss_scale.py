@@ -218,9 +218,9 @@ class ScaledFields:
         ref = values[0]
         finite = torch.isfinite(torch.cat([v.to(ref.device, ref.dtype) for v in values])).all()
         square = factor.detach().to(device=ref.device, dtype=ref.dtype).square()
+        fourth = square.square()  # the variances'
+        counted = finite.to(ref.dtype).reshape(1)
         for key, step, fields in held:
-            out = {}
-            for name, value in fields.items():
-                div = (square.square() if "_var" in name else square).to(value.device)
-                out[name] = torch.where(finite.to(value.device), value / div, 0.0)
-            self._add(key, step, out, counted=finite.to(device=ref.device, dtype=ref.dtype).reshape(1))
+            out = {name: torch.where(finite.to(value.device), value / (fourth if "_var" in name else square).to(
+                value.device), 0.0) for name, value in fields.items()}
+            self._add(key, step, out, counted=counted)

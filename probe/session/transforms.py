@@ -107,22 +107,20 @@ class StepAside:
     def __call__(self, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]], what: Optional[str] = None) -> bool:
         """Whether to step aside for this forward (``what``: already known, e.g. ``torch.export``)."""
         what = what or transform_running(args, kwargs)
-        if what is None:
-            return False
-        if what == KERAS_SYMBOLIC:
-            return True
-        self._warned(what, f"probe: a forward of the watched model ran under {what}; probe stepped aside for it "
-                     "(not measured, not counted as a step; the model ran as without probe)", stacklevel=4)
-        return True
+        return what is not None and self._say(what, f"probe: a forward of the watched model ran under {what}; probe "
+                                              "stepped aside for it (not measured, not counted as a step; the model ran "
+                                              "as without probe)")
 
     def call(self, q: Tensor) -> bool:
         """Whether an attention call with query ``q``, captured inside a recorded step, runs under
         a transform: it is not measured (one warning per kind)."""
         what = transform_running((q,))
-        if what is None:
-            return False
-        if what == KERAS_SYMBOLIC:
-            return True
-        self._warned(what, f"probe: an attention call ran under {what} inside a recorded step; probe did not "
-                     "measure it (the model ran as without probe)", stacklevel=4)
+        return what is not None and self._say(what, f"probe: an attention call ran under {what} inside a recorded "
+                                              "step; probe did not measure it (the model ran as without probe)")
+
+    def _say(self, what: str, message: str) -> bool:
+        """Warn once per kind of transform (Keras's shape inference: never, Keras runs it, not the
+        user); True: the caller steps aside."""
+        if what != KERAS_SYMBOLIC:
+            self._warned(what, message, stacklevel=5)
         return True
