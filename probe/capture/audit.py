@@ -12,6 +12,9 @@ Rules (a taint follows the scores from the product to the softmax):
 * a *product of two activations* (``matmul``, ``@``, ``bmm``, ``baddbmm``, two-operand ``einsum``)
   starts a taint; *constants* are the model's parameters and buffers and what is computed only
   from them or from factories (position tables, masks, ``arange``), anything else is an activation;
+  so does a constant on the left of a batched activation whose tokens make the last dim (learned
+  queries: ``(self.queries * s) @ xᵀ``), which is an event only softmaxed over those tokens
+  (:func:`~probe.capture.audit_taint.learned_queries`; a softmax over the constant's rows is not);
 * every other op whose tensor inputs carry a taint passes it on (views, reshapes, masks, biases,
   floors, clamps, ``torch.max``, indexing, in-place writes into another tensor...), except
   contractions with constants that consume the key dim (``F.linear`` over the keys, ``scores @
@@ -50,7 +53,7 @@ from torch.utils.hooks import RemovableHandle
 
 from probe.capture.audit_taint import (ATTENTION, CUTS, DIV, EXP, GRAPH_CUTS, GRAPH_DEPTH, GUMBEL, KERNEL,
                                        LOG_SOFTMAX, POW, PRODUCTS, SIGMOID, SOFTMAX, Event, Taint, keeps_scores,
-                                       operands, step, tensors_in)
+                                       learned_queries, operands, step, tensors_in)
 from probe.capture.ops import (ADD, CAST, DETACH, DIV as DIV_, DROPOUT, EXPAND, INDEX, MASKED_FILL, MUL, NORM, PERMUTE,
                                RSUB, SUB, TRANSPOSE, VIEW, WHERE, funcs_of, name_of)
 
@@ -258,12 +261,12 @@ class Audit(TorchFunctionMode):
         ``e = exp(scores)``."""
         if func in EXP:
             taint = self._taint(args[0] if args else kwargs.get("input"))
-            if taint is not None and (taint.logprobs is not None or taint.lse_centred):
+            if taint is not None and (taint.logprobs is not None or taint.lse_centred) and not taint.over_weight_rows():
                 return taint.logprobs or self._event(taint)
         elif func in DIV and len(args) >= 2:
             ta, tb = self._taint(args[0]), self._taint(args[1])
             if ta is not None and tb is not None and ta.exp is not None and ta.exp == tb.exp and tb.summed \
-                    and not ta.summed:
+                    and not ta.summed and not ta.over_weight_rows():
                 return self._event(ta)
         return None
 
@@ -288,7 +291,8 @@ class Audit(TorchFunctionMode):
             if taint is not None:
                 dim = args[1] if len(args) > 1 else kwargs.get("dim")
                 other = isinstance(dim, int) and isinstance(x, Tensor) and dim not in (-1, x.dim() - 1)
-                event = self._event(taint, dim if other else None)
+                if not taint.over_weight_rows(dim if other else None):
+                    event = self._event(taint, dim if other else None)
             elif isinstance(x, Tensor) and x.dim() >= 2 and self._reaches_scores(x):
                 event = Event(module=self._module(), kind="softmax", unseen=True)
         if event is None:
@@ -342,6 +346,11 @@ class Audit(TorchFunctionMode):
                 shapes = " × ".join(str(tuple(t.shape)) for t in pair)
                 for t in outs:
                     self._set(t, Taint(ops=(name,), shapes=shapes))
+                return
+            if pair is not None and learned_queries(func, args, pair, self._is_const):
+                shapes = " × ".join(str(tuple(t.shape)) for t in pair)
+                for t in outs:  # learned queries over the tokens (a weight-made q): scores too
+                    self._set(t, Taint(ops=(name,), shapes=shapes, learned=True))
                 return
             if pair is not None and not keeps_scores(func, args, pair, self._taint):
                 return  # scores @ W: a contraction of the key dim, not scores any more

@@ -19,7 +19,7 @@ from torch import Tensor
 from probe.capture import ops
 from probe.capture.ops import funcs_of, name_of
 
-__all__ = ["ATTENTION", "CUTS", "Event", "GRAPH_CUTS", "GRAPH_DEPTH", "PRODUCTS", "SOFTMAX", "LOG_SOFTMAX", "EXP",
+__all__ = ["ATTENTION", "CUTS", "Event", "learned_queries", "GRAPH_CUTS", "GRAPH_DEPTH", "PRODUCTS", "SOFTMAX", "LOG_SOFTMAX", "EXP",
            "DIV", "Taint", "keeps_scores", "operands", "step", "tensors_in"]
 
 PRODUCTS = funcs_of(ops.PRODUCT, ops.BADDBMM, ops.EINSUM, ops.DISTANCE)
@@ -63,6 +63,12 @@ class Taint:
     logprobs: Optional["Event"] = None  # log_softmax of the scores: its event (exp of it completes it)
     lse_centred: bool = False  # scores - logsumexp(scores): log-probabilities (exp of them is the softmax)
     weights: Optional["Event"] = None  # sigmoid(scores): its event (a product with an activation completes it)
+    learned: bool = False  # scores of learned queries (learned_queries): attention only softmaxed over the tokens
+
+    def over_weight_rows(self, dim: Optional[int] = None) -> bool:
+        """Learned-query scores normalised other than over the tokens (over the weight's rows: a
+        classifier's softmax), which is not attention."""
+        return self.learned and (dim is not None or self.axis != -1)
 
 
 @dataclasses.dataclass
@@ -208,4 +214,24 @@ def keeps_scores(func: Any, args: Tuple[Any, ...], operands: List[Tensor],
         if taint_of(t) is not None and len(spec) >= 2 and "." not in spec:
             return spec[-2] in res and spec[-1] in res
     return False
+
+
+def learned_queries(func: Any, args: Tuple[Any, ...], operands: List[Tensor], constant: Callable[[Tensor], bool]) -> bool:
+    """A product of a constant (queries computed from weights: ``self.queries``, ``self.to_q(self.latents)``,
+    ``(self.queries * s)``) and a batched activation whose rows make the product's last dim: scores of
+    learned queries over the tokens (attention pooling, ``PatchMerger``). A constant whose rows make the
+    last dim (``x @ Wᵀ``: a classifier, a router) is not."""
+    a, b = operands
+    if not constant(a) or constant(b) or b.dim() < 3:
+        return False
+    if func is not torch.einsum:
+        return True  # matmul / bmm / baddbmm: the last dim is b's
+    if not isinstance(args[0], str) or "->" not in args[0]:
+        return False
+    ins, res = args[0].replace(" ", "").split("->")
+    specs = ins.split(",")
+    if len(specs) != 2 or not res or "." in args[0]:
+        return False
+    last = res[-1]
+    return last in specs[1] and last not in specs[0] and bool(set(specs[0]) & set(specs[1]) - set(res))
 

@@ -42,7 +42,7 @@ from probe.capture import rules_operand, rules_products, rules_scores, rules_sof
 from probe.capture.frontend import Emit, FrontEnd
 from probe.capture.mode import running_modules, running_site
 from probe.capture.ops import ATTENTION, DIV, FIRST, MUL, OPS, OTHER, PERMUTE, SOFTMAX, STARTS, TRANSPOSE, VIEW
-from probe.capture.records import PRIORITY, Derived, Operand, Probs, Scores, learned
+from probe.capture.records import PRIORITY, Derived, Operand, Probs, Scores, hide, learned
 from probe.capture.rules import BEFORE, Op, find, unknown
 from probe.capture.rules_softmax import rewrite
 from probe.experiment import overrides
@@ -292,7 +292,7 @@ class EagerFrontEnd(FrontEnd):
         if isinstance(record, Scores):
             return unknown(record, f"the scores {why}")
         if isinstance(record, Operand) and record.scaled:
-            return Operand(opaque=record.opaque or f"q or k {why} after its factor")
+            return hide(record, f"q or k {why} after its factor")
         if isinstance(record, Derived):
             return record
         return None

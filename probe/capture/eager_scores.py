@@ -12,14 +12,14 @@ import dataclasses
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from probe.call import AttentionCall
 from probe.capture.records import Operand, Scores
 
 __all__ = ["MASK_BIAS", "MASK_FILL", "broadcasts", "factor", "grad_map", "head_mix", "heads_of", "kv_heads", "lift",
-           "number", "permuted", "prescale_factor", "repeat_kv", "rescaled", "reshaped", "scaled", "to_call", "unfold",
-           "windowed"]
+           "number", "permuted", "prescale_factor", "repeat_kv", "rescaled", "reshaped", "scaled", "shared_rows", "to_call",
+           "unfold", "weight", "windowed"]
 
 #: A floor at or below this only touches masked entries (``torch.max(scores, finfo.min)``).
 MASK_FILL = -1e4
@@ -341,3 +341,28 @@ def rescaled(node: Scores, x: Tensor, new: Union[float, Tensor]) -> Tuple[Tensor
     if isinstance(new, Tensor):
         return z, dataclasses.replace(node, scale=1.0, scale_t=new.detach())
     return z, dataclasses.replace(node, scale=float(new), scale_t=None)
+
+
+def weight(t: Tensor) -> bool:
+    """A parameter, or a view of one (``rearrange(self.to_kv.weight, ...)``: CoLT5): a product with it
+    is a projection, not scores."""
+    while t is not None:
+        if isinstance(t, nn.Parameter):
+            return True
+        t = t._base
+    return False
+
+
+def shared_rows(a: Tensor, b: Tensor) -> bool:
+    """``a @ b`` with ``a`` not a weight and the same for every batch row of an activation ``b``
+    (``(..., d, T)``, batch rows): ``a`` without batch dims (``(N, d)``) or with every leading dim 1
+    while ``b`` has several rows: queries computed from weights (``(self.queries * s) @ xᵀ``,
+    ``self.to_q(self.latents) @ xᵀ``), read as learned queries."""
+    if weight(a) or b.dim() < 3 or a.dim() < 2 or weight(b):
+        return False
+    if a.dim() == 2:
+        return True
+    lead_b = 1
+    for n in b.shape[:-2]:
+        lead_b *= n
+    return all(n == 1 for n in a.shape[:-2]) and lead_b > 1

@@ -33,7 +33,7 @@ from torch import Tensor
 from probe.call import AttentionCall
 
 __all__ = ["Derived", "Exp", "ExpSum", "LogProbs", "Moved", "Operand", "PRIORITY", "Probs", "Scores", "Shift",
-           "Slice", "learned"]
+           "Slice", "hide", "learned"]
 
 GradOf = Tuple[Tuple[str, Optional[Tensor], Any], ...]  # (name, tensor, fn), or (name, None, why not measured)
 
@@ -63,6 +63,9 @@ class Operand:
             folds heads into the batch tells head-major rows from batch-major ones by it.
         lead: ``(B, H)`` (as ``merged``) when dim 0 of ``t`` holds the ``B·H`` rows of a fold and
             views kept it there while the rest changed (windows: ``(B·H, W, n, d)``, local-attention).
+        loose: the factor was taken on a 2-d tensor (learned queries ``(N, d)``, rows flattened to
+            ``(B·T, D)``, but also position tables and weights): followed through views, factors
+            and sums into a product, and forgotten, not made opaque, by any other op (:func:`hide`).
     """
 
     base: Optional[Tensor] = None
@@ -75,6 +78,7 @@ class Operand:
     opaque: Optional[str] = None
     batch_at: Optional[int] = None
     lead: Optional[Tuple[Any, ...]] = None
+    loose: bool = False
 
     @property
     def scaled(self) -> bool:
@@ -196,6 +200,13 @@ class Probs:
 
 #: which input's record decides the rule of an op (the first kind found among its inputs)
 PRIORITY: Tuple[type, ...] = (Scores, Moved, Exp, LogProbs, Shift, ExpSum, Probs, Slice, Derived, Operand)
+
+
+def hide(subject: "Operand", why: str) -> Optional["Operand"]:
+    """The record of a tensor made from ``subject`` by an op the rules do not model: opaque (a
+    product with it has an unknown scale), or none for a loose ``subject`` (a 2-d table's factor is
+    not the model's scale unless it reaches q straight)."""
+    return None if subject.loose else Operand(opaque=subject.opaque or why)
 
 
 def learned(record: Any) -> bool:

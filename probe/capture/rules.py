@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 from torch import Tensor
 
 from probe.capture.ops import name_of
-from probe.capture.records import Derived, Exp, ExpSum, LogProbs, Moved, Operand, Scores, Shift, Slice
+from probe.capture.records import Derived, Exp, ExpSum, LogProbs, Moved, Operand, Scores, Shift, Slice, hide
 
 __all__ = ["BEFORE", "DEFAULTS", "Op", "RULES", "before", "carries_scale", "default", "find", "rule", "rule_table"]
 
@@ -156,7 +156,7 @@ def _default_scores(subject: Scores, x: Any, out: Tensor, why: str) -> Any:
 def _default_operand(subject: Operand, x: Any, out: Tensor, why: str) -> Any:
     if not subject.scaled:
         return None
-    return Operand(opaque=subject.opaque or f"{why} on q or k after its factor ({subject.how or 'in place'})")
+    return hide(subject, f"{why} on q or k after its factor ({subject.how or 'in place'})")
 
 
 def _default_derived(subject: Any, x: Any, out: Tensor, why: str) -> Any:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from probe.capture import ops as K
 from probe.capture.eager_scores import number, prescale_factor, repeat_kv
-from probe.capture.records import Derived, Exp, ExpSum, LogProbs, Moved, Operand, Probs, Scores, Shift, Slice
+from probe.capture.records import Derived, Exp, ExpSum, LogProbs, Moved, Operand, Probs, Scores, Shift, Slice, hide
 from probe.capture.rules import Op, rule
 
 __all__: List[str] = []
@@ -38,8 +38,8 @@ _STRUCTURAL = (K.VIEW, K.TRANSPOSE, K.PERMUTE, K.INDEX, K.JOIN, K.EXPAND, K.CAST
 _ALL = (Scores, Slice, Moved, Shift, LogProbs, Exp, ExpSum, Probs, Derived, Operand)
 
 
-def _opaque(record: Operand, why: str) -> Operand:
-    return Operand(opaque=record.opaque or why)
+def _opaque(record: Operand, why: str) -> Optional[Operand]:
+    return hide(record, why)
 
 
 def _in_place(op: Op, x: Any) -> bool:
@@ -60,7 +60,7 @@ def factor(tracer: Any, op: Op) -> None:
                                                        and not isinstance(op.rec(a), Operand)) else (b, a)
     if divide and x is not a:
         return _touched(tracer, op)  # c / t: not linear in t
-    if not isinstance(x, Tensor) or x.dim() < 3:
+    if not isinstance(x, Tensor) or x.dim() < 2:  # 2-d: queries without batch, or (B·T, D) rows
         return _touched(tracer, op)
     f, f_t = prescale_factor(s, divide)
     record = op.rec(x)
@@ -91,6 +91,7 @@ def factor(tracer: Any, op: Op) -> None:
     merged = record.merged if record is not None else None
     how = f"{text}{word} {shown}" + (" in place" if in_place else "")
     tracer.set(op.out, Operand(base=base, factor=old * f, factor_t=f_t, how=how, merged=merged,
+                               loose=record.loose if record is not None else x.dim() == 2,
                                batch_at=record.batch_at if record is not None else None,
                                ops=(record.ops if record is not None else ()) + (op.name,)))
 
@@ -105,7 +106,7 @@ def _times_tensor(tracer: Any, op: Op, x: Tensor, m: Any, record: Optional[Opera
     if record.opaque or not isinstance(m, Tensor) or record.base is None:
         return tracer.set(op.out, _opaque(record, f"`{op.name}` of q or k after its factor"))
     other = op.rec(m)
-    if isinstance(other, Operand) and other.scaled:  # both scaled: the factors multiply
+    if isinstance(other, Operand) and other.scaled and not other.loose:  # both scaled: the factors multiply
         if divide or other.base is None or record.factor_t is not None or other.factor_t is not None:
             return tracer.set(op.out, _opaque(record, f"`{op.name}` of q or k after its factor by a function of "
                                               "itself (a norm?)"))

@@ -10,7 +10,8 @@ scores whose scale cannot be attributed. A product with a weight (a parameter or
 projection: its output starts new features (no record), except on the left of a batched activation:
 
 *learned queries* (vit-pytorch's ``PatchMerger``: ``softmax(self.queries @ xᵀ · s) @ x``, attention
-pooling): a weight ``(..., N, d)`` times an activation ``(B, ..., d, T)`` over the features starts
+pooling): a weight ``(..., N, d)``, or queries shared by every batch row (:func:`shared_rows`:
+``(self.queries * s)``, ``self.to_q(self.latents)``), times an activation ``(B, ..., d, T)`` over the features starts
 ``Scores.learned``, ``q`` the weight broadcast to the batch (``(B, 1, N, d)``; ``(B, H, N, d)``, heads
 split), ``k`` the tokens: a call only at a softmax over the tokens (the last dim); any op that is not on
 the way to it forgets the record (:meth:`~probe.capture.eager.EagerFrontEnd.handle`). A weight on the
@@ -28,27 +29,17 @@ import dataclasses
 from typing import Any, Callable, Optional, Tuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from probe.capture import ops as K
-from probe.capture.eager_scores import (broadcasts, grad_map, head_mix, heads_of, kv_heads, number, permuted, unfold,
-                                        windowed)
-from probe.capture.records import Derived, Moved, Operand, Probs, Scores
+from probe.capture.eager_scores import (broadcasts, grad_map, head_mix, heads_of, kv_heads, number, permuted,
+                                        shared_rows, unfold, weight, windowed)
+from probe.capture.records import Derived, Moved, Operand, Probs, Scores, hide
 from probe.capture.rules import Op, default, rule, unknown
 
 __all__ = ["einsum_pair", "pv_roles", "qk_roles", "start"]
 
 Map = Callable[[Tensor], Tensor]
-
-
-def weight(t: Tensor) -> bool:
-    """A parameter, or a view of one (``rearrange(self.to_kv.weight, ...)``: CoLT5): a product with it
-    is a projection, not scores."""
-    while t is not None:
-        if isinstance(t, nn.Parameter):
-            return True
-        t = t._base
-    return False
 
 
 def _same(t: Tensor) -> Tensor:
@@ -66,7 +57,8 @@ def start(tracer: Any, op: Op, own_a: Any, own_b: Any, q_of: Map = _same, k_of: 
     (``(..., S, d)``), with the factors their records carry taken out into the scale."""
     if not (isinstance(own_a, Tensor) and isinstance(own_b, Tensor) and isinstance(op.out, Tensor)):
         return None
-    learned = weight(own_a) and own_a.dim() >= 2  # learned queries (see the module docstring)
+    # learned queries (see the module docstring): a weight, or queries shared by every batch row
+    learned = (weight(own_a) and own_a.dim() >= 2) or shared_rows(own_a, own_b)
     if own_a.dim() < (2 if learned else 3) or own_b.dim() < 3 or (weight(own_a) and not learned) or weight(own_b):
         return None
     ra, rb = op.rec(own_a), op.rec(own_b)
@@ -233,7 +225,7 @@ def baddbmm(tracer: Any, op: Op) -> None:
 def _opaque(tracer: Any, op: Op) -> None:
     scaled = [r for r in op.records.values() if isinstance(r, Operand) and r.scaled]
     if scaled and isinstance(op.out, Tensor):
-        tracer.set(op.out, Operand(opaque=scaled[0].opaque or f"`{op.name}` of q or k after its factor"))
+        tracer.set(op.out, hide(scaled[0], f"`{op.name}` of q or k after its factor"))
 
 
 # -- einsum --------------------------------------------------------------------------------------------

@@ -77,6 +77,11 @@ class Eager(nn.Module):
             att = self._keep(att.float())
             att = torch.softmax(att, dim=-1).type_as(att)
             seen.update(scale=1.0, bias=bias)
+        elif style == "flat_rows":  # q scaled on its (B·L, H·D) rows before the heads are split (fairseq-like)
+            rows = self.qkv(x).reshape(B * L, 3 * H * D)[:, : H * D] * s
+            q = rows.view(B, L, H, D).transpose(1, 2)
+            att = self._keep(q @ k.transpose(-2, -1)).softmax(-1)
+            seen["valid"] = full
         elif style == "timm":
             q = q * s
             att = q @ k.transpose(-2, -1)
@@ -165,7 +170,7 @@ def _reference(seen: dict, scale=None) -> dict:
 
 
 STYLES = ["hf", "gpt2_full", "nanogpt", "t5_inplace", "timm", "bmm", "baddbmm", "einsum", "einsum_blhd",
-          "softcap", "shifted", "per_head"]
+          "softcap", "shifted", "per_head", "flat_rows"]
 
 
 @pytest.mark.parametrize("style", STYLES)
@@ -485,3 +490,30 @@ def test_a_site_probe_scaling_leaves_unchanged_is_still_recorded():
     assert any("NOT rewritten" in m for m in said) and not any("NOT measured" in m for m in said), said
     info = p.summary().info("root")
     assert info["softcap"] == pytest.approx(5.0) and info["scale"] == pytest.approx(D ** -0.5)
+
+
+def test_a_factor_on_a_position_table_is_not_a_factor_on_q():
+    """A 2-d tensor times a number is followed (learned queries ``(N, d)``, rows flattened to
+    ``(B·T, D)``: the `flat_rows` style) only straight into a product. A position table's factor
+    (x-transformers' xpos: ``base ** ((t - T/2) / 512)``, then a multiplier on q and k) is
+    forgotten at the op after it: the scale stays the model's, not unknown."""
+    class XPos(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(D * H, 3 * D * H)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
+            t = torch.arange(L, dtype=x.dtype).view(1, L)
+            power = (t - L // 2) / 512  # (1, L): a factor 1/512 on a 2-d tensor
+            table = torch.linspace(0.6, 1.0, D) ** power.view(1, L, 1)  # (1, L, d)
+            cos = torch.linspace(0.5, 1.0, D)  # a rotary-like multiplier first, as xpos's `t * freqs.cos() * scale`
+            q, k = q * cos * table, k * cos * table.reciprocal()
+            return ((q @ k.transpose(-2, -1)) * D ** -0.5).softmax(-1) @ v
+
+    torch.manual_seed(0)
+    model = XPos()
+    with probe.watch(model) as p:
+        model(torch.randn(B, L, D * H)).sum().backward()
+    info = p.summary().info("root")
+    assert info["scale"] == pytest.approx(D ** -0.5) and not info.get("scale_unknown"), info

@@ -43,11 +43,18 @@ class Merger(nn.Module):
         self.style = style
         self.norm = nn.LayerNorm(D)
         self.queries = nn.Parameter(torch.randn(N, D))
+        self.to_q = nn.Linear(D, D)
         self.raw: List[Tensor] = []
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.norm(x)
-        if self.style == "heads":  # the queries split into heads like the tokens: (H, N, d) against (B, H, T, d)
+        if self.style in ("scaled", "projected", "projected 2-d"):  # queries computed from weights
+            q = self.to_q(self.queries[None]) if self.style == "projected" else self.queries
+            if self.style == "projected 2-d":
+                q = self.to_q(self.queries)
+            sim = (q * SCALE) @ x.transpose(-1, -2) if self.style != "projected" else q @ x.transpose(-1, -2) * SCALE
+            self.raw = [q.reshape(1, 1, N, D).expand(B, 1, N, D), x[:, None], x[:, None]]
+        elif self.style == "heads":  # the queries split into heads like the tokens: (H, N, d) against (B, H, T, d)
             q = self.queries.view(N, H, D // H).transpose(0, 1)
             x = x.view(B, T, H, D // H).transpose(1, 2)
             sim = torch.matmul(q, x.transpose(-1, -2)) * SCALE
@@ -79,7 +86,7 @@ def _reference_grads(q: Tensor, k: Tensor, v: Tensor) -> dict:
     return {f"grad_{n}": t.grad.square().sum((0, 2, 3)).sqrt().numpy() for n, t in (("q", q), ("k", k), ("v", v))}
 
 
-@pytest.mark.parametrize("style", ["plain", "expand", "heads", "einsum"])
+@pytest.mark.parametrize("style", ["plain", "expand", "heads", "einsum", "scaled", "projected", "projected 2-d"])
 def test_learned_queries_are_measured_at_every_scale(style: str) -> None:
     torch.manual_seed(0)
     model = Merger(style)
@@ -175,3 +182,27 @@ def test_a_channels_first_projection_used_as_keys_keeps_its_scale() -> None:
     assert len(eager) == 1 and not any("NOT measured" in w or "scale" in w for w in caught), (s.sites, caught)
     info = s.info(eager[0])
     assert info["scale"] == pytest.approx(SCALE) and not info.get("scale_unknown"), info
+
+
+@pytest.mark.parametrize("style", ["scaled", "projected", "projected 2-d"])
+def test_learned_queries_capture_misses_are_named_by_the_audit(style: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Queries computed from weights (``(self.queries * s) @ xᵀ``, ``self.to_q(self.latents) @ xᵀ``)
+    were neither measured nor named beside another attention: the audit followed products of two
+    activations only. With the capture's rule for them switched off, the audit names the miss."""
+    import probe.capture.rules_products as rules_products
+    monkeypatch.setattr(rules_products, "shared_rows", lambda a, b: False)
+
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(D, 3 * D)
+            self.pool = Merger(style)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return F.scaled_dot_product_attention(*self.qkv(x)[:, None].chunk(3, -1)).sum() + self.pool(x)
+
+    torch.manual_seed(0)
+    s, caught = _run(Both(), torch.randn(B, T, D))
+    assert s.sites == ["root"], s.sites
+    assert any("at 'pool' is NOT measured" in w and "not taken as q·kᵀ" in w for w in caught), caught
+
