@@ -39,6 +39,7 @@ from torch import Tensor
 
 from probe.capture import ops as K
 from probe.capture import rules_operand, rules_products, rules_scores, rules_softmax  # noqa: F401 - registration
+from probe.capture.eager_scores import number
 from probe.capture.frontend import Emit, FrontEnd
 from probe.capture.mode import running_modules, running_site
 from probe.capture.ops import ATTENTION, DIV, FIRST, MUL, OPS, OTHER, PERMUTE, SOFTMAX, STARTS, TRANSPOSE, VIEW
@@ -78,7 +79,7 @@ def _splits_features(x: Tensor, args: Tuple[Any, ...]) -> bool:
 
 
 def _scalar(a: Any) -> bool:
-    return (isinstance(a, (int, float)) and not isinstance(a, bool)) or (isinstance(a, Tensor) and a.numel() == 1)
+    return number(a) or (isinstance(a, Tensor) and a.numel() == 1)
 
 
 def _keeps_dim0(kind: str, args: Tuple[Any, ...]) -> bool:

@@ -9,8 +9,10 @@ gradient of the model's own tensors onto a record's (:func:`grad_map`).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Callable, List, Optional, Tuple, Union
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -92,9 +94,9 @@ def prescale_factor(s: Any, invert: bool) -> Tuple[Optional[float], Optional[Ten
 
 
 def number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
+    """A real number: Python's, or NumPy's scalars (``np.float32(s)``: a factor on q in it was read
+    as none, scale 1.0, silently); not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
 def factor(x: Any, node: Scores) -> Optional[Any]:

@@ -152,7 +152,7 @@ def mix_sum(a: Scores, b: Scores, coeff: Any) -> Scores:
             return unknown(a, why)
         mixes.append((root, m * (node.scale / root.scale)))  # ``0.5 * conv1x1(s)``: the factor is the mix's
     (ra, ma), (rb, mb) = mixes
-    if ra is not rb or (ma is None and mb is None) or not isinstance(coeff, (int, float)):
+    if ra is not rb or (ma is None and mb is None) or not number(coeff):
         return unknown(a, why)
     eye = torch.eye(ra.q.shape[1], dtype=ra.q.dtype, device=ra.q.device)
     ma, mb = (eye if ma is None else ma), (eye if mb is None else mb)

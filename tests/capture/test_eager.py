@@ -517,3 +517,32 @@ def test_a_factor_on_a_position_table_is_not_a_factor_on_q():
         model(torch.randn(B, L, D * H)).sum().backward()
     info = p.summary().info("root")
     assert info["scale"] == pytest.approx(D ** -0.5) and not info.get("scale_unknown"), info
+
+
+@pytest.mark.parametrize("where", ["q", "scores", "scores /"])
+def test_numpy_scalar_factors_are_read(where):
+    """``q * np.float32(s)`` (NumPy's float32 is not a Python float) was read as no factor: scale
+    1.0 reported, verified (the softmax matched), the counterfactual scales off by ``s``."""
+    s32 = np.float32(D ** -0.5)
+
+    class NumpyScale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(D * H, 3 * D * H)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
+            if where == "q":
+                att = (q * s32) @ k.transpose(-2, -1)
+            elif where == "scores":
+                att = (q @ k.transpose(-2, -1)) * s32
+            else:
+                att = (q @ k.transpose(-2, -1)) / np.float16(D ** 0.5)
+            return att.softmax(-1) @ v
+
+    torch.manual_seed(0)
+    model = NumpyScale()
+    with probe.watch(model) as p:
+        model(torch.randn(B, L, D * H)).sum().backward()
+    info = p.summary().info("root")
+    assert info["scale"] == pytest.approx(D ** -0.5, rel=1e-3) and not info.get("scale_unknown"), info
