@@ -357,14 +357,18 @@ def weight(t: Tensor) -> bool:
 
 def shared_rows(a: Tensor, b: Tensor) -> bool:
     """``a @ b`` with ``a`` not a weight and the same for every batch row of an activation ``b``
-    (``(..., d, T)``, batch rows): ``a`` without batch dims (``(N, d)``) or with every leading dim 1
-    while ``b`` has several rows: queries computed from weights (``(self.queries * s) @ xᵀ``,
-    ``self.to_q(self.latents) @ xᵀ``), read as learned queries."""
-    if weight(a) or b.dim() < 3 or a.dim() < 2 or weight(b):
+    (``(..., d, T)``, batch rows): ``a``'s leading dims fewer than ``b``'s (``(N, d)``, heads split
+    ``(H, N, d)``), or broadcast to more rows (``(1, N, d)`` against several): queries computed
+    from weights (``(self.queries * s) @ xᵀ``, ``self.to_q(self.latents) @ xᵀ``), read as learned
+    queries."""
+    if weight(a) or weight(b) or b.dim() < 3 or a.dim() < 2 or a.dim() > b.dim():
         return False
-    if a.dim() == 2:
-        return True
-    lead_b = 1
-    for n in b.shape[:-2]:
-        lead_b *= n
-    return all(n == 1 for n in a.shape[:-2]) and lead_b > 1
+    lead_a, lead_b = a.shape[:-2], b.shape[len(b.shape) - a.dim():-2]
+    if not all(x == 1 or x == y for x, y in zip(lead_a, lead_b)):
+        return False
+    rows_a = rows_b = 1
+    for x in lead_a:
+        rows_a *= x
+    for y in b.shape[:-2]:
+        rows_b *= y
+    return a.dim() < b.dim() or rows_a < rows_b

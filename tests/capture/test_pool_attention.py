@@ -54,6 +54,11 @@ class Merger(nn.Module):
                 q = self.to_q(self.queries)
             sim = (q * SCALE) @ x.transpose(-1, -2) if self.style != "projected" else q @ x.transpose(-1, -2) * SCALE
             self.raw = [q.reshape(1, 1, N, D).expand(B, 1, N, D), x[:, None], x[:, None]]
+        elif self.style == "scaled heads":  # computed from the weight, split into heads: (H, N, d) against (B, H, T, d)
+            q = (self.queries * SCALE).view(N, H, D // H).transpose(0, 1)
+            x = x.view(B, T, H, D // H).transpose(1, 2)
+            sim = torch.matmul(q, x.transpose(-1, -2))
+            self.raw = [(q / SCALE).expand(B, H, N, D // H), x, x]
         elif self.style == "heads":  # the queries split into heads like the tokens: (H, N, d) against (B, H, T, d)
             q = self.queries.view(N, H, D // H).transpose(0, 1)
             x = x.view(B, T, H, D // H).transpose(1, 2)
@@ -86,14 +91,15 @@ def _reference_grads(q: Tensor, k: Tensor, v: Tensor) -> dict:
     return {f"grad_{n}": t.grad.square().sum((0, 2, 3)).sqrt().numpy() for n, t in (("q", q), ("k", k), ("v", v))}
 
 
-@pytest.mark.parametrize("style", ["plain", "expand", "heads", "einsum", "scaled", "projected", "projected 2-d"])
+@pytest.mark.parametrize("style", ["plain", "expand", "heads", "einsum", "scaled", "projected", "projected 2-d",
+                                   "scaled heads"])
 def test_learned_queries_are_measured_at_every_scale(style: str) -> None:
     torch.manual_seed(0)
     model = Merger(style)
     s, caught = _run(model, torch.randn(B, T, D))
     assert s.sites == ["root"], (s.sites, caught)
     info = s.info("root")
-    heads = H if style == "heads" else 1
+    heads = H if "heads" in style else 1
     assert info["heads"] == heads and info["scale"] == pytest.approx(SCALE) and not info.get("scale_unknown"), info
     q, k, _ = model.raw
     valid = torch.ones(B, heads, N, T, dtype=torch.bool)
