@@ -112,3 +112,55 @@ def test_nan_to_num_with_a_fill_of_its_own_is_named() -> None:
     assert all(r.captured and r.scale is None for r in rows.values()), rows
     _, said = _watch(net, x)
     assert any("'layers.0'" in w and "nan_to_num" in w for w in said), said
+
+
+# -- native-sparse-attention's attend ------------------------------------------------------------------
+class GroupedAttend(nn.Module):
+    """native_sparse_attention_pytorch's ``attend``: q viewed as ``(B, H_kv, G, L, d)`` (query heads
+    grouped per kv head), ``einsum('b h g i d, b h j d -> b h g i j')``. probe reads dim -3 (G) as the
+    heads and flattens the kv heads into the batch: per-head values pool ``H_kv`` heads. With
+    ``G = 1`` (as many kv heads as query heads, NSA's default) it reported 1 head for 4, silently;
+    the module declares ``heads`` = 4, and probe now says so."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.heads, self.groups = H * 2, groups
+        self.qkv = nn.Linear(W, 3 * 2 * W)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).view(B, L, 3, self.heads, D).permute(2, 0, 3, 1, 4)
+        kv = self.heads // self.groups
+        k, v = k[:, :kv], v[:, :kv]
+        q = q.reshape(B, kv, self.groups, L, D)
+        sim = torch.einsum("bhgid,bhjd->bhgij", q, k) * D ** -0.5
+        out = torch.einsum("bhgij,bhjd->bhgid", sim.softmax(-1), v)
+        return out.reshape(B, self.heads, L, D).transpose(1, 2).reshape(B, L, 2 * W)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_query_heads_grouped_per_kv_head_are_named(groups: int) -> None:
+    torch.manual_seed(0)
+    net = GroupedAttend(groups)
+    s, said = _watch(net, torch.randn(B, L, W))
+    assert s.info("root")["heads"] == groups  # dim -3, as read before: the pooling is what is named
+    assert any("'root'" in w and "`heads` = 4" in w and "per-head" in w for w in said), said
+
+
+class WindowBlocks(nn.Module):
+    """(B, windows, H, N, d) with ``heads`` declared = H: dim -3 holds the heads; nothing to say."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = H
+        self.qkv = nn.Linear(W, 3 * W)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).view(B, 2, L // 2, 3, H, D).permute(3, 0, 1, 4, 2, 5)
+        p = (q @ k.transpose(-1, -2) * D ** -0.5).softmax(-1)
+        return (p @ v).permute(0, 1, 3, 2, 4).reshape(B, L, W)
+
+
+def test_windows_before_the_heads_stay_quiet() -> None:
+    torch.manual_seed(0)
+    s, said = _watch(WindowBlocks(), torch.randn(B, L, W))
+    assert s.info("root")["heads"] == H and not said, said
