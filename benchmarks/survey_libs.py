@@ -183,3 +183,197 @@ def libs_cases(have: Callable[[str], bool]) -> Iterator[Case]:
                      "decoder_xpos", "decoder_cache", "encoder_decoder"):
             yield f"libs/torchscale/{kind}", lambda k=kind: _torchscale(k), None if "xpos" in kind else _default
         yield "libs/torchscale/retnet", _retnet, None
+    yield from lucidrains_cases(have)
+
+
+# -- lucidrains' libraries -------------------------------------------------------------------------
+def _local(kind: str) -> Tuple[nn.Module, tuple, dict]:
+    """local-attention: ``LocalTransformer`` (windows of 4 looking one back, rotary, hyper-connection
+    streams; causal, with xPos, with dynamic position bias, decoding through its KV cache) and
+    ``LocalMHA`` (bidirectional with a padding mask, one window forward, QK RMSNorm at scale 8)."""
+    from local_attention import LocalMHA, LocalTransformer
+
+    torch.manual_seed(0)
+    if kind.startswith("mha"):
+        kw: Dict[str, Any] = dict(dim=32, window_size=4, dim_head=8, heads=4, causal=False, look_forward=1)
+        if kind == "mha_qknorm":
+            kw["qk_rmsnorm"] = True
+        model = LocalMHA(**kw).eval()
+        mask = torch.ones(B, 12, dtype=torch.bool)
+        mask[1, -3:] = False
+        return model, (torch.randn(B, 12, 32, generator=_gen()),), {"mask": mask}
+    extra = {"xpos": dict(use_xpos=True, xpos_scale_base=16), "dynpos": dict(use_dynamic_pos_bias=True)}.get(kind, {})
+    model = LocalTransformer(num_tokens=VOCAB, max_seq_len=32, dim=32, depth=2, causal=True, local_attn_window_size=4,
+                             dim_head=8, heads=4, **extra).eval()
+    ids = _ids(12)
+    if kind != "cache":
+        return model, (ids,), {}
+
+    def decode(m: nn.Module) -> torch.Tensor:
+        logits, cache = m(ids[:, :10], return_cache=True)
+        total = logits.sum()
+        for t in (10, 11):
+            logits, cache = m(ids[:, :t + 1], cache=cache, return_cache=True)
+            total = total + logits.sum()
+        return total
+
+    return _Call(model, decode), (), {}
+
+
+def _megabyte(flash: bool) -> Tuple[nn.Module, tuple, dict]:
+    """MEGABYTE: a global and a local causal transformer over patches (``Attend``: einsum times
+    ``d**-0.5``, or SDPA)."""
+    from MEGABYTE_pytorch import MEGABYTE
+
+    torch.manual_seed(0)
+    model = MEGABYTE(num_tokens=VOCAB, dim=(32, 32), depth=(1, 1), max_seq_len=(4, 4), dim_head=8, heads=4,
+                     flash_attn=flash).eval()
+    return model, (_ids(16),), {}
+
+
+def _palm() -> Tuple[nn.Module, tuple, dict]:
+    """PaLM: parallel blocks, multi-query attention (one k/v head, ``einsum('b h i d, b j d')``),
+    rotary, ``q * d**-0.5``, causal mask by ``masked_fill``."""
+    from palm_pytorch import PaLM
+
+    torch.manual_seed(0)
+    return PaLM(dim=32, num_tokens=VOCAB, depth=2, dim_head=8, heads=4).eval(), (_ids(),), {}
+
+
+def _coca() -> Tuple[nn.Module, tuple, dict]:
+    """CoCa: the image tokens pooled by learned queries (cross-attention), a causal unimodal text
+    decoder (PaLM's multi-query blocks) and a multimodal decoder cross-attending to the pooled image."""
+    from coca_pytorch import CoCa
+
+    torch.manual_seed(0)
+    model = CoCa(dim=32, num_tokens=VOCAB, unimodal_depth=1, multimodal_depth=1, image_dim=32, num_img_queries=4,
+                 dim_head=8, heads=4).eval()
+    return model, (_ids(),), {"image_tokens": torch.randn(B, 6, 32, generator=_gen())}
+
+
+def _ngpt(masked: bool, trained: bool = False) -> Tuple[nn.Module, tuple, dict]:
+    """nGPT: q and k L2-normalized, q times a learned per-feature ``s_qk`` (1 at init; ``trained``:
+    moved off it, as training does), SDPA at scale ``sqrt(d)``; non-causal with a padding mask."""
+    import importlib
+
+    ng = importlib.import_module("nGPT_pytorch.nGPT")  # the module (the package's ``nGPT`` is the class)
+
+    # nGPT 0.2.16 defines ``__eq__`` (for its evolutionary crossover) on its modules without
+    # ``__hash__``: they are unhashable and torch's own ``named_children`` (``.eval()``) raises
+    for cls in vars(ng).values():
+        if isinstance(cls, type) and issubclass(cls, nn.Module) and cls.__hash__ is None:
+            cls.__hash__ = nn.Module.__hash__  # type: ignore[assignment]
+    torch.manual_seed(0)
+    model = ng.nGPT(num_tokens=VOCAB, dim=32, depth=2, dim_head=8, heads=4, causal=not masked,
+                 manual_norm_weights=True).eval()
+    if trained:
+        with torch.no_grad():
+            for block in model.layers:
+                s_qk = block[0].fn.qk_scale.scale
+                s_qk.mul_(1 + 0.5 * torch.rand(s_qk.shape, generator=_gen()))
+    if not masked:
+        return model, (_ids(),), {}
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[1, -3:] = False
+    return model, (_ids(),), {"mask": mask}
+
+
+def _nsa(causal: bool) -> Tuple[nn.Module, tuple, dict]:
+    """native-sparse-attention: compressed blocks (einsum with repeated compressed k), selected
+    blocks, a sliding window, mixed by a learned gate."""
+    from native_sparse_attention_pytorch import SparseAttention
+
+    torch.manual_seed(0)
+    model = SparseAttention(dim=32, dim_head=8, heads=4, sliding_window_size=2, compress_block_size=4,
+                            compress_block_sliding_stride=4, selection_block_size=4, num_selected_blocks=2,
+                            causal=causal).eval()
+    return model, (torch.randn(B, 16, 32, generator=_gen()),), {}
+
+
+def _hierarchical(flash: bool) -> Tuple[nn.Module, tuple, dict]:
+    """simple-hierarchical-transformer: two hierarchies (strides 1 and 2), local windowed causal
+    attention each."""
+    from simple_hierarchical_transformer import HierarchicalTransformer
+
+    torch.manual_seed(0)
+    model = HierarchicalTransformer(num_tokens=VOCAB, dim=32, depth=2, seq_len=16, dim_head=8, heads=4,
+                                    hierarchies=(1, 2), window_sizes=(8, 4), use_flash_attn=flash).eval()
+    return model, (_ids(16),), {}
+
+
+def _block_recurrent(flash: bool) -> Tuple[nn.Module, tuple, dict]:
+    """block-recurrent-transformer: causal blocks of 8 with xPos, a recurrent layer whose state
+    vectors cross-attend to the tokens and the tokens to them."""
+    from block_recurrent_transformer_pytorch import BlockRecurrentTransformer
+
+    torch.manual_seed(0)
+    model = BlockRecurrentTransformer(num_tokens=VOCAB, dim=32, depth=2, dim_head=8, heads=4, max_seq_len=32,
+                                      block_width=8, num_state_vectors=8, recurrent_layers=(2,),
+                                      use_flash_attn=flash).eval()
+    return model, (_ids(16),), {}
+
+
+def _rmt(flash: bool) -> Tuple[nn.Module, tuple, dict]:
+    """recurrent-memory-transformer: read and write memory tokens around a causal segment."""
+    from recurrent_memory_transformer_pytorch import RecurrentMemoryTransformer
+
+    torch.manual_seed(0)
+    model = RecurrentMemoryTransformer(32, num_tokens=VOCAB, depth=2, num_memory_tokens=4, seq_len=16, dim_head=8,
+                                       heads=4, use_flash_attn=flash).eval()
+    return model, (_ids(16),), {}
+
+
+def _colt5(kind: str) -> Tuple[nn.Module, tuple, dict]:
+    """CoLT5-attention: routed heavy attention over the top-k tokens (coordinate-descent router)
+    beside light local attention; autoregressive; routed cross-attention with a context mask."""
+    import colt5_attention as c
+
+    torch.manual_seed(0)
+    x = torch.randn(B, 16, 32, generator=_gen())
+    common = dict(light_dim_head=8, light_heads=2, light_window_size=4, heavy_dim_head=8, heavy_heads=4)
+    if kind == "routed":
+        model = c.ConditionalRoutedAttention(32, num_heavy_tokens_q=8, num_heavy_tokens_kv=8, **common).eval()
+        return model, (x,), {}
+    if kind == "autoregressive":
+        model = c.ConditionalRoutedAutoregressiveAttention(32, num_heavy_tokens_q=2, num_heavy_tokens_kv=2,
+                                                           heavy_window_size=4, **common).eval()
+        return model, (x,), {}
+    model = c.ConditionalRoutedCrossAttention(32, num_tokens_q=8, num_tokens_kv=8, dim_head=8, heads=4).eval()
+    ctx_mask = torch.ones(B, 12, dtype=torch.bool)
+    ctx_mask[1, -4:] = False
+    return model, (x, torch.randn(B, 12, 32, generator=_gen())), {"context_mask": ctx_mask}
+
+
+def lucidrains_cases(have: Callable[[str], bool]) -> Iterator[Case]:
+    if have("local_attention"):
+        for kind in ("causal", "xpos", "dynpos", "cache", "mha", "mha_qknorm"):
+            yield (f"libs/local-attention/{kind}", lambda k=kind: _local(k),
+                   (lambda s, d: 8.0) if kind == "mha_qknorm" else _default)
+    if have("MEGABYTE_pytorch"):
+        for flash in (False, True):
+            yield f"libs/MEGABYTE/{'sdpa' if flash else 'eager'}", lambda f=flash: _megabyte(f), _default
+    if have("palm_pytorch"):
+        yield "libs/PaLM/mqa", _palm, _default
+    if have("coca_pytorch"):
+        yield "libs/CoCa/coca", _coca, _default
+    if have("nGPT_pytorch"):
+        for masked in (False, True):
+            yield f"libs/nGPT/{'masked' if masked else 'causal'}", lambda m=masked: _ngpt(m), lambda s, d: d ** 0.5
+        yield "libs/nGPT/trained_s_qk", lambda: _ngpt(False, True), None
+    if have("native_sparse_attention_pytorch"):
+        for causal in (False, True):
+            yield f"libs/native-sparse-attention/{'causal' if causal else 'full'}", lambda c=causal: _nsa(c), _default
+    if have("simple_hierarchical_transformer"):
+        for flash in (False, True):
+            yield (f"libs/hierarchical-transformer/{'sdpa' if flash else 'eager'}",
+                   lambda f=flash: _hierarchical(f), _default)
+    if have("block_recurrent_transformer_pytorch"):
+        for flash in (False, True):
+            yield (f"libs/block-recurrent/{'sdpa' if flash else 'eager'}",
+                   lambda f=flash: _block_recurrent(f), _default)
+    if have("recurrent_memory_transformer_pytorch"):
+        for flash in (False, True):
+            yield f"libs/recurrent-memory/{'sdpa' if flash else 'eager'}", lambda f=flash: _rmt(f), _default
+    if have("colt5_attention"):
+        for kind in ("routed", "autoregressive", "cross"):
+            yield f"libs/CoLT5/{kind}", lambda k=kind: _colt5(k), _default
