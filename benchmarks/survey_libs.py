@@ -8,6 +8,7 @@ Installed here with ``pip install --no-deps`` (never letting pip touch torch), s
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -184,6 +185,7 @@ def libs_cases(have: Callable[[str], bool]) -> Iterator[Case]:
             yield f"libs/torchscale/{kind}", lambda k=kind: _torchscale(k), None if "xpos" in kind else _default
         yield "libs/torchscale/retnet", _retnet, None
     yield from lucidrains_cases(have)
+    yield from speechbrain_cases(have)
 
 
 # -- lucidrains' libraries -------------------------------------------------------------------------
@@ -254,8 +256,6 @@ def _coca() -> Tuple[nn.Module, tuple, dict]:
 def _ngpt(masked: bool, trained: bool = False) -> Tuple[nn.Module, tuple, dict]:
     """nGPT: q and k L2-normalized, q times a learned per-feature ``s_qk`` (1 at init; ``trained``:
     moved off it, as training does), SDPA at scale ``sqrt(d)``; non-causal with a padding mask."""
-    import importlib
-
     ng = importlib.import_module("nGPT_pytorch.nGPT")  # the module (the package's ``nGPT`` is the class)
 
     # nGPT 0.2.16 defines ``__eq__`` (for its evolutionary crossover) on its modules without
@@ -377,3 +377,50 @@ def lucidrains_cases(have: Callable[[str], bool]) -> Iterator[Case]:
     if have("colt5_attention"):
         for kind in ("routed", "autoregressive", "cross"):
             yield f"libs/CoLT5/{kind}", lambda k=kind: _colt5(k), _default
+
+
+# -- SpeechBrain -----------------------------------------------------------------------------------
+def _import_speechbrain() -> Any:
+    """``speechbrain.lobes.models.transformer.TransformerASR`` with a stand-in for ``torchaudio``
+    (imported at module level by its audio I/O and CNN modules, unused by the transformer;
+    torchaudio's wheel pins its own torch), removed from ``sys.modules`` afterwards."""
+    stub = "torchaudio" not in sys.modules and importlib.util.find_spec("torchaudio") is None
+    if stub:
+        ta = types.ModuleType("torchaudio")
+        ta.__spec__ = importlib.machinery.ModuleSpec("torchaudio", None)
+        sys.modules["torchaudio"] = ta
+    try:
+        from speechbrain.lobes.models.transformer import TransformerASR
+
+        return TransformerASR
+    finally:
+        if stub:
+            sys.modules.pop("torchaudio", None)
+
+
+def _speechbrain(attention: str, encoder: str = "transformer") -> Tuple[nn.Module, tuple, dict]:
+    """SpeechBrain's ``TransformerASR`` (encoder over features with relative lengths, causal decoder
+    cross-attending to it): ``regularMHA`` (``nn.MultiheadAttention``), ``RelPosMHAXL``
+    (Transformer-XL relative positions: ``(q + u)·s @ kᵀ + shift((q + v)·s @ pᵀ)``, ``s = 1/sqrt(d_model)``),
+    ``RoPEMHA`` (SDPA at ``1/sqrt(d_model)``); Conformer and Branchformer encoders."""
+    asr = _import_speechbrain()
+    torch.manual_seed(0)
+    model = asr.TransformerASR(tgt_vocab=VOCAB, input_size=16, d_model=32, nhead=4, num_encoder_layers=2,
+                               num_decoder_layers=1, d_ffn=64, dropout=0.0, attention_type=attention,
+                               encoder_module=encoder, kernel_size=3, csgu_linear_units=32, causal=False,
+                               normalize_before=encoder != "transformer",
+                               positional_encoding="fixed_abs_sine" if attention == "regularMHA" else None).eval()
+    g = _gen()
+    return model, (torch.randn(B, 12, 16, generator=g), torch.randint(1, VOCAB, (B, 6), generator=g)), \
+        {"wav_len": torch.tensor([1.0, 0.75])}
+
+
+def speechbrain_cases(have: Callable[[str], bool]) -> Iterator[Case]:
+    if not have("speechbrain"):
+        return
+    d_model = lambda site, d: (4 * d) ** -0.5  # noqa: E731 - RelPosMHAXL and RoPEMHA: 1/sqrt(d_model), 4 heads
+    for attention in ("regularMHA", "RelPosMHAXL", "RoPEMHA"):
+        yield (f"libs/speechbrain/{attention}", lambda a=attention: _speechbrain(a),
+               _default if attention == "regularMHA" else d_model)
+    yield "libs/speechbrain/conformer_RelPosMHAXL", lambda: _speechbrain("RelPosMHAXL", "conformer"), None
+    yield "libs/speechbrain/branchformer_RelPosMHAXL", lambda: _speechbrain("RelPosMHAXL", "branchformer"), None
