@@ -29,7 +29,8 @@ Rules (a taint follows the scores from the product to the softmax):
   ``F.gumbel_softmax`` of scores (its noise is drawn inside one call), and a sigmoid of the scores
   of one product (no norm or other product since) once it multiplies an activation (sigmoid
   attention, ``sigmoid(q·kᵀ·s) @ v``), and so an arc-cosine kernel of them (YOSO's
-  ``(1 - acos(q̂·k̂)/π)^τ @ v``);
+  ``(1 - acos(q̂·k̂)/π)^τ @ v``) and the scores themselves, masked, scaled or divided only, times an
+  activation over their keys (linear attention: RetNet's retention ``(q·kᵀ ⊙ D / norm) @ v``);
 * a tensor produced where the audit could not see (a TorchScript function, a C++ extension) has
   no taint; with autograd on, a softmax input whose graph reaches a tainted tensor within a few
   nodes is still an event ("went through code probe cannot see");
@@ -55,7 +56,7 @@ from probe.capture.audit_taint import (ATTENTION, CUTS, DIV, EXP, GRAPH_CUTS, GR
                                        LOG_SOFTMAX, POW, PRODUCTS, SIGMOID, SOFTMAX, Event, Taint, keeps_scores,
                                        learned_queries, operands, step, tensors_in)
 from probe.capture.ops import (ADD, CAST, DETACH, DIV as DIV_, DROPOUT, EXPAND, INDEX, MASKED_FILL, MUL, NORM, PERMUTE,
-                               RSUB, SUB, TRANSPOSE, VIEW, WHERE, funcs_of, name_of)
+                               PRODUCT, RSUB, SUB, TRANSPOSE, VIEW, WHERE, funcs_of, name_of)
 
 __all__ = ["Audit", "Event"]
 
@@ -65,6 +66,19 @@ _NOT_SCORES = frozenset(map(name_of, PRODUCTS | funcs_of(NORM)))
 #: ops between a sigmoid (or kernel) of scores and its product with v that keep it the weights
 _KEEP_WEIGHTS = funcs_of(CAST, DETACH, DROPOUT, VIEW, TRANSPOSE, PERMUTE, EXPAND, INDEX, MASKED_FILL, WHERE, MUL, DIV_,
                          ADD, SUB, RSUB) | POW
+
+
+_MATMUL = funcs_of(PRODUCT)
+_LINEAR_OPS = frozenset(map(name_of, _KEEP_WEIGHTS - POW))
+
+
+def _linear(func: Any, scores: Tensor, taint: Taint) -> bool:
+    """Scores of one product, through masks, factors and divisors only, contracted over their keys
+    with an activation (``scores @ v``): linear attention, no softmax (RetNet's retention)."""
+    return (func in _MATMUL and scores.dim() >= 3 and taint.axis == -1 and taint.weights is None
+            and taint.exp is None and taint.logprobs is None and not (taint.learned or taint.summed or taint.lse
+                                                                       or taint.lse_centred)
+            and all(op in _LINEAR_OPS for op in taint.ops[1:]))
 
 
 class Audit(TorchFunctionMode):
@@ -343,6 +357,9 @@ class Audit(TorchFunctionMode):
                     weights = getattr(self._taint(t), "weights", None)
                     if weights is not None and weights not in self.events:
                         self.events.append(weights)
+                left = self._taint(pair[0])
+                if left is not None and _linear(func, pair[0], left):  # (q·kᵀ ⊙ decay / norm) @ v: retention
+                    self.events.append(dataclasses.replace(self._event(left), kind="linear"))
                 shapes = " × ".join(str(tuple(t.shape)) for t in pair)
                 for t in outs:
                     self._set(t, Taint(ops=(name,), shapes=shapes))

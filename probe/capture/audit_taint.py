@@ -97,6 +97,8 @@ class Event:
             return "sigmoid attention (a sigmoid over the scores, not a softmax: not measured)"
         if self.kind == "kernel":
             return "kernel attention (an arc-cosine kernel of the scores, not a softmax: not measured)"
+        if self.kind == "linear":
+            return "linear attention (the scores times v with no softmax, as in retention: not measured)"
         if self.kind != "softmax":
             return f"the {self.kind} call was not understood"
         if self.dim is not None:

@@ -164,3 +164,74 @@ def test_windows_before_the_heads_stay_quiet() -> None:
     torch.manual_seed(0)
     s, said = _watch(WindowBlocks(), torch.randn(B, L, W))
     assert s.info("root")["heads"] == H and not said, said
+
+
+# -- torchscale's RetNet -------------------------------------------------------------------------------
+class Retention(nn.Module):
+    """torchscale's ``MultiScaleRetention.parallel_forward``: ``k *= scaling``, ``qk = q @ kᵀ``, times
+    the causal decay mask, divided by its row's absolute sum, then ``qk @ v``: linear attention, no
+    softmax. It had no row in ``probe.coverage`` and no warning (0 sites); the audit now names it."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(W, 3 * W)
+        self.kind = kind
+        decay = torch.log(1 - 2.0 ** (-5 - torch.arange(H, dtype=torch.float)))
+        idx = torch.arange(L)
+        mask = torch.tril(torch.ones(L, L)).bool()
+        self.register_buffer("decay", torch.exp((idx[:, None] - idx[None, :]) * decay[:, None, None])
+                             .masked_fill(~mask, 0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
+        k = k * D ** -0.5
+        qk = q @ k.transpose(-1, -2)
+        if self.kind == "softmax":
+            p = (qk + torch.zeros(L, L).masked_fill(self.decay[0] == 0, -math.inf)).softmax(-1)
+        else:
+            p = qk * self.decay
+            p = p / p.detach().abs().sum(dim=-1, keepdim=True).clamp(min=1)
+        return (p @ v).transpose(1, 2).reshape(B, L, W)
+
+
+class Stack(nn.Module):
+    def __init__(self, kinds: List[str]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Retention(k) for k in kinds)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_retention_is_named_as_linear_attention() -> None:
+    torch.manual_seed(0)
+    net = Stack(["softmax", "retention"])
+    x = torch.randn(B, L, W)
+    rows = {r.site: r for r in probe.coverage(net, x).rows}
+    assert set(rows) == {"layers.0", "layers.1"}, list(rows)
+    assert rows["layers.0"].captured and rows["layers.0"].scale == pytest.approx(D ** -0.5)
+    assert not rows["layers.1"].captured and "linear attention" in rows["layers.1"].why, rows["layers.1"]
+    _, said = _watch(net, x)
+    assert any("'layers.1' is NOT measured" in w and "linear attention" in w for w in said), said
+    assert not any("'layers.0'" in w for w in said), said
+
+
+def test_linear_attention_kernels_that_are_not_retention_stay_quiet() -> None:
+    """A Gram product used as features (``(x·xᵀ).sum(-1)``, a norm of the scores before ``@ v``) is
+    not retention: no event (the softmax beside it is measured as before)."""
+
+    class Gram(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(W, W)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.proj(x)
+            g = h @ h.transpose(-1, -2)
+            normed = F.layer_norm(g, (L,))  # a norm of the scores: not scores of one product any more
+            return x + normed @ x + g.sum(-1, keepdim=True)
+
+    torch.manual_seed(0)
+    assert probe.coverage(Gram(), torch.randn(B, L, W)).rows == []
