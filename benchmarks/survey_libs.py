@@ -186,6 +186,7 @@ def libs_cases(have: Callable[[str], bool]) -> Iterator[Case]:
         yield "libs/torchscale/retnet", _retnet, None
     yield from lucidrains_cases(have)
     yield from speechbrain_cases(have)
+    yield from more_lib_cases(have)
 
 
 # -- lucidrains' libraries -------------------------------------------------------------------------
@@ -424,3 +425,56 @@ def speechbrain_cases(have: Callable[[str], bool]) -> Iterator[Case]:
                _default if attention == "regularMHA" else d_model)
     yield "libs/speechbrain/conformer_RelPosMHAXL", lambda: _speechbrain("RelPosMHAXL", "conformer"), None
     yield "libs/speechbrain/branchformer_RelPosMHAXL", lambda: _speechbrain("RelPosMHAXL", "branchformer"), None
+
+
+# -- Enformer, BS-RoFormer: stand-ins for their data / audio imports --------------------------------
+def _import_with_stubs(names: Tuple[str, ...], module: str, attrs: Optional[Dict[str, Any]] = None) -> Any:
+    """Import ``module`` with empty stand-ins for the packages ``names`` that are not installed
+    (imported at module level by data loaders and audio helpers the models do not call), removed
+    from ``sys.modules`` afterwards."""
+    stubs = [n for n in names if n not in sys.modules and importlib.util.find_spec(n.split(".")[0]) is None]
+    for n in stubs:
+        mod = types.ModuleType(n)
+        mod.__spec__ = importlib.machinery.ModuleSpec(n, None)
+        for attr, value in (attrs or {}).get(n, {}).items():
+            setattr(mod, attr, value)
+        sys.modules[n] = mod
+        if "." in n:
+            setattr(sys.modules[n.rsplit(".", 1)[0]], n.rsplit(".", 1)[1], mod)
+    try:
+        return importlib.import_module(module)
+    finally:
+        for n in stubs:
+            sys.modules.pop(n, None)
+
+
+def _enformer() -> Tuple[nn.Module, tuple, dict]:
+    """Enformer: conv tower, then attention with relative positions: ``q·s`` plus a content bias
+    against k and, shifted, a position bias against projected positional features (Transformer-XL
+    style; the position term carries the factor)."""
+    ef = _import_with_stubs(("polars", "pyfaidx"), "enformer_pytorch", {"pyfaidx": {"Fasta": object}})
+    torch.manual_seed(0)
+    model = ef.Enformer.from_hparams(dim=96, depth=2, heads=2, output_heads=dict(human=4), target_length=8,
+                                     attn_dim_key=16, num_downsamples=3, dim_divisible_by=16, dropout_rate=0.0,
+                                     attn_dropout=0.0, pos_dropout=0.0).eval()
+    return model, (torch.randint(0, 4, (B, 128), generator=_gen()),), {}
+
+
+def _bs_roformer(flash: bool) -> Tuple[nn.Module, tuple, dict]:
+    """BS-RoFormer: band-split spectrogram, axial transformers over time and over frequency bands
+    (rotary, ``Attend``: SDPA or einsum times ``d**-0.5``), hyper-connection streams."""
+    bs = _import_with_stubs(("librosa", "librosa.filters"), "bs_roformer")
+    torch.manual_seed(0)
+    model = bs.BSRoformer(dim=32, depth=1, time_transformer_depth=1, freq_transformer_depth=1,
+                          freqs_per_bands=(4, 4, 9), dim_head=8, heads=4, flash_attn=flash, dim_freqs_in=17,
+                          stft_n_fft=32, stft_hop_length=8, stft_win_length=32, mask_estimator_depth=1,
+                          multi_stft_resolutions_window_sizes=(32,), multi_stft_hop_size=8).eval()
+    return model, (torch.randn(B, 128, generator=_gen()),), {}
+
+
+def more_lib_cases(have: Callable[[str], bool]) -> Iterator[Case]:
+    if have("enformer_pytorch"):
+        yield "libs/enformer/enformer", _enformer, None
+    if have("bs_roformer"):
+        for flash in (False, True):
+            yield f"libs/BS-RoFormer/{'sdpa' if flash else 'eager'}", lambda f=flash: _bs_roformer(f), _default
