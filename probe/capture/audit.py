@@ -55,8 +55,8 @@ from torch.utils.hooks import RemovableHandle
 from probe.capture.audit_taint import (ATTENTION, CUTS, DIV, EXP, GRAPH_CUTS, GRAPH_DEPTH, GUMBEL, KERNEL,
                                        LOG_SOFTMAX, POW, PRODUCTS, SIGMOID, SOFTMAX, Event, Taint, keeps_scores,
                                        learned_queries, operands, step, tensors_in)
-from probe.capture.ops import (ADD, CAST, DETACH, DIV as DIV_, DROPOUT, EXPAND, INDEX, MASKED_FILL, MUL, NORM, PERMUTE,
-                               PRODUCT, RSUB, SUB, TRANSPOSE, VIEW, WHERE, funcs_of, name_of)
+from probe.capture.ops import (ADD, CAST, DETACH, DIV as DIV_, DROPOUT, EXPAND, FIRST, INDEX, MASKED_FILL, MUL, NORM,
+                               PERMUTE, PRODUCT, RSUB, SUB, TRANSPOSE, VIEW, WHERE, funcs_of, kind_of, name_of)
 
 __all__ = ["Audit", "Event"]
 
@@ -371,7 +371,9 @@ class Audit(TorchFunctionMode):
                 return
             if pair is not None and not keeps_scores(func, args, pair, self._taint):
                 return  # scores @ W: a contraction of the key dim, not scores any more
-        taint = next((tt for tt in map(self._taint, inputs) if tt is not None), None)
+        # ops whose data is their first argument (``p.type_as(scores)``: ESM-2, torchscale) take its taint only
+        first = args[0] if args and isinstance(args[0], Tensor) and kind_of(func) in FIRST else None
+        taint = next((tt for tt in map(self._taint, [first] if first is not None else inputs) if tt is not None), None)
         if taint is None:
             return
         if func in CUTS and (taint.axis is None or taint.axis == -1):

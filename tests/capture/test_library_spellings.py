@@ -235,3 +235,28 @@ def test_linear_attention_kernels_that_are_not_retention_stay_quiet() -> None:
 
     torch.manual_seed(0)
     assert probe.coverage(Gram(), torch.randn(B, L, W)).rows == []
+
+
+class FoldedSoftmax(nn.Module):
+    """ESM-2's and torchscale's encoder: heads folded into the batch, ``softmax(scores, dtype=float32)
+    .type_as(scores)``, then ``bmm(P, v)``. ``type_as`` took the scores' taint in the audit (its second
+    argument), so ``P @ v`` read as scores times v: linear attention named where probe measures it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(W, 3 * W)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = (t.reshape(B, L, H, D).transpose(1, 2).reshape(B * H, L, D) for t in self.qkv(x).chunk(3, -1))
+        w = torch.bmm(q * D ** -0.5, k.transpose(1, 2))
+        p = F.softmax(w, dim=-1, dtype=torch.float32).type_as(w)
+        return torch.bmm(F.dropout(p, 0.0), v).view(B, H, L, D).transpose(1, 2).reshape(B, L, W)
+
+
+def test_probabilities_cast_like_the_scores_are_not_linear_attention() -> None:
+    torch.manual_seed(0)
+    net = FoldedSoftmax()
+    rows = probe.coverage(net, torch.randn(B, L, W)).rows
+    assert [(r.site, r.captured) for r in rows] == [("root", True)], rows
+    _, said = _watch(net, torch.randn(B, L, W))
+    assert not said, said
