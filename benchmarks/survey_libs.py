@@ -1,11 +1,21 @@
-"""Libraries the survey had not covered (the library survey of December): OpenAI Whisper, Microsoft
-torchscale, and lucidrains' stand-alone attention libraries. Tiny configs from constructors, random
-weights, no downloads; each library skipped when not installed. :func:`libs_cases` is yielded by
-``survey_more.more_cases`` (``coverage_survey.py --only more``, ``--match libs/`` for these alone).
+"""Libraries the survey had not covered (the library survey of December), tiny configs from their
+constructors, random weights, no downloads; each library skipped when not installed.
+:func:`libs_cases` is yielded by ``survey_more.more_cases`` (``coverage_survey.py --only more``,
+``--match libs/`` for these alone):
 
-Installed here with ``pip install --no-deps`` (never letting pip touch torch), see docs/models.md.
+- OpenAI Whisper (eager ``(q·d**-0.25) @ (k·d**-0.25)ᵀ`` and SDPA, with its KV-cache hooks);
+- Microsoft torchscale (encoder with key padding, relative position buckets, xPos, multiway;
+  decoder with its ``incremental_state`` cache; encoder-decoder; RetNet's retention);
+- lucidrains: local-attention, MEGABYTE, PaLM, CoCa, nGPT, native-sparse-attention,
+  simple-hierarchical-transformer, block-recurrent-transformer, recurrent-memory-transformer,
+  CoLT5-attention, enformer-pytorch, BS-RoFormer;
+- SpeechBrain's ``TransformerASR`` (``nn.MultiheadAttention``, ``RelPosMHAXL``, ``RoPEMHA``;
+  Transformer, Conformer and Branchformer encoders).
+
+Installed without their dependencies, never letting pip touch torch (docs/models.md has the
+commands). Imports they make at module level for data loading or audio I/O that the models never
+call (fairscale, timm, torchaudio, polars, pyfaidx, librosa) get empty stand-ins while importing.
 """
-
 from __future__ import annotations
 
 import importlib.machinery
@@ -17,6 +27,11 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import torch
 from torch import nn
 
+#: the distributions these cases run (``pip install --no-deps``; coverage_survey records their versions)
+DISTRIBUTIONS = ("openai-whisper", "torchscale", "local-attention", "MEGABYTE-pytorch", "PaLM-pytorch", "CoCa-pytorch",
+                 "nGPT-pytorch", "native-sparse-attention-pytorch", "simple-hierarchical-transformer",
+                 "block-recurrent-transformer-pytorch", "recurrent-memory-transformer-pytorch", "CoLT5-attention",
+                 "speechbrain", "enformer-pytorch", "BS-RoFormer")
 Case = Tuple[str, Callable[[], Tuple[nn.Module, tuple, dict]], Optional[Callable[[str, int], float]]]
 B, L, VOCAB = 2, 8, 64
 
