@@ -72,13 +72,37 @@ _MATMUL = funcs_of(PRODUCT)
 _LINEAR_OPS = frozenset(map(name_of, _KEEP_WEIGHTS - POW))
 
 
-def _linear(func: Any, scores: Tensor, taint: Taint) -> bool:
-    """Scores of one product, through masks, factors and divisors only, contracted over their keys
-    with an activation (``scores @ v``): linear attention, no softmax (RetNet's retention)."""
-    return (func in _MATMUL and scores.dim() >= 3 and taint.axis == -1 and taint.weights is None
-            and taint.exp is None and taint.logprobs is None and not (taint.learned or taint.summed or taint.lse
-                                                                       or taint.lse_centred)
-            and all(op in _LINEAR_OPS for op in taint.ops[1:]))
+def _weighted(func: Any, args: Tuple[Any, ...], pair: List[Tensor], taint_of: Callable[[Any], Optional[Taint]]
+              ) -> Tuple[Optional[str], Optional[Taint]]:
+    """Weights that are not a softmax probe measures, contracted over their keys with a v that
+    carries no scores (a matrix power series' does: Nyström's pseudo-inverse): ``("linear", taint)``
+    for scores of one product through masks, factors and divisors only (RetNet's retention
+    ``(q·kᵀ ⊙ D / norm) @ v``), ``("exp", taint)`` for ``exp(scores - max) @ v``, normalised after the
+    product (flash-style chunks: memory-efficient-attention); ``(None, None)`` otherwise."""
+    for i in ((0, 1) if func is torch.einsum else (0,)) if func in _MATMUL or func is torch.einsum else ():
+        t, v = pair[i], pair[1 - i]
+        taint = taint_of(t)
+        if taint is None or taint_of(v) is not None or t.dim() < 3 or taint.axis != -1 or not _keys_contracted(
+                func, args, i):
+            continue
+        if taint.exp is not None and not taint.summed:
+            return "exp", taint
+        if taint.weights is None and taint.exp is None and taint.logprobs is None and not (
+                taint.learned or taint.summed or taint.lse or taint.lse_centred) and all(
+                op in _LINEAR_OPS for op in taint.ops[1:]):
+            return "linear", taint
+    return None, None
+
+
+def _keys_contracted(func: Any, args: Tuple[Any, ...], i: int) -> bool:
+    """Whether operand ``i``'s last dim is contracted (``P @ v``; an einsum summing its last letter)."""
+    if func is not torch.einsum:
+        return i == 0
+    eq = args[0].replace(" ", "") if args and isinstance(args[0], str) else ""
+    if "->" not in eq or "." in eq or eq.count(",") != 1:
+        return False
+    specs, out = eq.split("->")[0].split(","), eq.split("->")[1]
+    return bool(specs[i]) and specs[i][-1] not in out and specs[i][-1] in specs[1 - i]
 
 
 class Audit(TorchFunctionMode):
@@ -357,9 +381,9 @@ class Audit(TorchFunctionMode):
                     weights = getattr(self._taint(t), "weights", None)
                     if weights is not None and weights not in self.events:
                         self.events.append(weights)
-                left = self._taint(pair[0])
-                if left is not None and _linear(func, pair[0], left):  # (q·kᵀ ⊙ decay / norm) @ v: retention
-                    self.events.append(dataclasses.replace(self._event(left), kind="linear"))
+                kind, scores = _weighted(func, args, pair, self._taint)
+                if kind is not None:  # retention ((q·kᵀ ⊙ D / norm) @ v), or exp(scores - max) @ v
+                    self.events.append(dataclasses.replace(self._event(scores), kind=kind))
                 shapes = " × ".join(str(tuple(t.shape)) for t in pair)
                 for t in outs:
                     self._set(t, Taint(ops=(name,), shapes=shapes))

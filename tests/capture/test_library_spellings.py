@@ -260,3 +260,75 @@ def test_probabilities_cast_like_the_scores_are_not_linear_attention() -> None:
     assert [(r.site, r.captured) for r in rows] == [("root", True)], rows
     _, said = _watch(net, torch.randn(B, L, W))
     assert not said, said
+
+
+# -- memory-efficient-attention-pytorch's chunks; Nyström's pseudo-inverse -------------------------------
+class Chunked(nn.Module):
+    """memory_efficient_attention_pytorch's ``memory_efficient_attention``: per chunk of keys
+    ``e = dropout(exp(s - max(s)))``, ``e @ v`` and ``e.sum(-1)``; the chunks renormalised and the
+    summed products divided by the summed weights after the product. No softmax op and no
+    ``e / e.sum(-1)`` before ``@ v``: 0 sites and no warning before; now named NOT measured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(W, 3 * W)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
+        q = q * D ** -0.5
+        values, weights, maxes = [], [], []
+        for kc, vc in zip(k.split(L // 2, dim=-2), v.split(L // 2, dim=-2)):
+            s = torch.einsum("bhid,bhjd->bhij", q, kc)
+            m = s.amax(dim=-1, keepdim=True).detach()
+            e = F.dropout(torch.exp(s - m), p=0.0)
+            values.append(torch.einsum("bhij,bhjd->bhid", e, vc))
+            weights.append(e.sum(dim=-1))
+            maxes.append(m.squeeze(-1))
+        mx = torch.stack(maxes, -1)
+        renorm = (mx - mx.amax(-1, keepdim=True)).exp()
+        out = (torch.stack(values, -1) * renorm[..., None, :]).sum(-1) / (torch.stack(weights, -1) * renorm).sum(-1)[
+            ..., None]
+        return out.transpose(1, 2).reshape(B, L, W)
+
+
+def test_a_softmax_spelled_around_its_product_with_v_is_named() -> None:
+    torch.manual_seed(0)
+    net = Chunked()
+    x = torch.randn(B, L, W)
+    ref = torch.softmax(torch.einsum("bhid,bhjd->bhij", *net.qkv(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)[:2])
+                        * D ** -0.5, -1)  # the model computes this attention, chunked
+    assert ref.shape == (B, H, L, L)
+    rows = probe.coverage(net, x).rows
+    assert [(r.site, r.captured) for r in rows] == [("root", False)], rows
+    assert "spelled around its product with v" in rows[0].why, rows[0].why
+    _, said = _watch(net, x)
+    assert any("'root' is NOT measured" in w and "exp(scores - max) @ v" in w for w in said), said
+
+
+def _pinv(x: Tensor, iters: int = 3) -> Tensor:
+    """nystrom_attention's ``moore_penrose_iter_pinv``: products of products of the probabilities."""
+    z = x.transpose(-1, -2) / (x.abs().sum(-1).max() * x.abs().sum(-2).max())
+    eye = torch.eye(x.shape[-1])[None]
+    for _ in range(iters):
+        xz = x @ z
+        z = 0.25 * z @ (13 * eye - (xz @ (15 * eye - (xz @ (7 * eye - xz)))))
+    return z
+
+
+class NystromPinv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(W, 3 * W)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
+        p = (q @ k.transpose(-1, -2) * D ** -0.5).softmax(-1)
+        return (_pinv(p) @ (p @ v)).transpose(1, 2).reshape(B, L, W)
+
+
+def test_a_power_series_of_products_is_not_linear_attention() -> None:
+    """``xz @ (15·I - xz @ (7·I - xz))``: scores of a product times a tensor that carries scores too
+    (not a v): no linear-attention event (it named Nyström's captured softmax NOT measured)."""
+    torch.manual_seed(0)
+    rows = probe.coverage(NystromPinv(), torch.randn(B, L, W)).rows
+    assert [(r.site, r.captured) for r in rows] == [("root", True)], rows
