@@ -31,7 +31,8 @@ from torch import nn
 DISTRIBUTIONS = ("openai-whisper", "torchscale", "local-attention", "MEGABYTE-pytorch", "PaLM-pytorch", "CoCa-pytorch",
                  "nGPT-pytorch", "native-sparse-attention-pytorch", "simple-hierarchical-transformer",
                  "block-recurrent-transformer-pytorch", "recurrent-memory-transformer-pytorch", "CoLT5-attention",
-                 "speechbrain", "enformer-pytorch", "BS-RoFormer")
+                 "speechbrain", "enformer-pytorch", "BS-RoFormer", "memory-efficient-attention-pytorch",
+                 "nystrom-attention", "conformer", "tab-transformer-pytorch", "iTransformer", "performer-pytorch")
 Case = Tuple[str, Callable[[], Tuple[nn.Module, tuple, dict]], Optional[Callable[[str, int], float]]]
 B, L, VOCAB = 2, 8, 64
 
@@ -202,6 +203,7 @@ def libs_cases(have: Callable[[str], bool]) -> Iterator[Case]:
     yield from lucidrains_cases(have)
     yield from speechbrain_cases(have)
     yield from more_lib_cases(have)
+    yield from lucidrains_more_cases(have)
 
 
 # -- lucidrains' libraries -------------------------------------------------------------------------
@@ -493,3 +495,98 @@ def more_lib_cases(have: Callable[[str], bool]) -> Iterator[Case]:
     if have("bs_roformer"):
         for flash in (False, True):
             yield f"libs/BS-RoFormer/{'sdpa' if flash else 'eager'}", lambda f=flash: _bs_roformer(f), _default
+
+
+# -- more lucidrains: memory-efficient attention, Nyström, Conformer, tabular, time series, Performer --
+def _memory_efficient(kind: str) -> Tuple[nn.Module, tuple, dict]:
+    """memory-efficient-attention-pytorch's ``Attention``: plain (``q·s``, ``sim - amax``, softmax)
+    and ``memory_efficient=True`` (chunks of 4 queries x 4 keys: ``exp(sim - max) @ v`` per chunk,
+    the chunks renormalised and divided by their summed weights after the product: a softmax
+    spelled around ``@ v``), with a padding mask; causal."""
+    from memory_efficient_attention_pytorch import Attention
+
+    torch.manual_seed(0)
+    model = Attention(dim=32, heads=4, dim_head=8, causal=kind.endswith("causal"),
+                      memory_efficient=kind.startswith("chunked"), q_bucket_size=4, k_bucket_size=4).eval()
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[1, -3:] = False
+    return model, (torch.randn(B, L, 32, generator=_gen()),), {} if kind.endswith("causal") else {"mask": mask}
+
+
+def _nystrom() -> Tuple[nn.Module, tuple, dict]:
+    """nystrom-attention (TransMIL's): three softmaxes over landmark products, an iterative
+    pseudo-inverse, and a depthwise conv of v added as a residual."""
+    from nystrom_attention import Nystromformer
+
+    torch.manual_seed(0)
+    model = Nystromformer(dim=32, depth=2, dim_head=8, heads=4, num_landmarks=4, pinv_iterations=3).eval()
+    mask = torch.ones(B, 16, dtype=torch.bool)
+    mask[1, -3:] = False
+    return model, (torch.randn(B, 16, 32, generator=_gen()),), {"mask": mask}
+
+
+def _conformer() -> Tuple[nn.Module, tuple, dict]:
+    """conformer (lucidrains): Shaw relative positions ``einsum(q, rel_pos_emb)`` added to ``q·kᵀ·s``,
+    with a padding mask."""
+    from conformer import Conformer
+
+    torch.manual_seed(0)
+    model = Conformer(dim=32, depth=2, dim_head=8, heads=4, conv_kernel_size=3).eval()
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[1, -3:] = False
+    return model, (torch.randn(B, L, 32, generator=_gen()),), {"mask": mask}
+
+
+def _tabular(kind: str) -> Tuple[nn.Module, tuple, dict]:
+    """tab-transformer-pytorch: TabTransformer (attention over categorical columns) and FT-Transformer
+    (over categorical and numerical columns)."""
+    import tab_transformer_pytorch as tt
+
+    torch.manual_seed(0)
+    cls = tt.TabTransformer if kind == "tab" else tt.FTTransformer
+    kw: Dict[str, Any] = dict(categories=(5, 6, 7), num_continuous=3, dim=32, depth=2, heads=4, dim_head=8)
+    model = cls(**kw).eval()
+    g = _gen()
+    categ = torch.stack([torch.randint(0, n, (B,), generator=g) for n in (5, 6, 7)], -1)
+    return model, (categ, torch.randn(B, 3, generator=g)), {}
+
+
+def _itransformer(flash: bool) -> Tuple[nn.Module, tuple, dict]:
+    """iTransformer: attention across variates (each variate's lookback window is a token), memory
+    tokens, ``Attend`` (SDPA or einsum)."""
+    from iTransformer import iTransformer
+
+    torch.manual_seed(0)
+    model = iTransformer(num_variates=6, lookback_len=16, depth=2, dim=32, dim_head=8, heads=4, pred_length=4,
+                         num_mem_tokens=2, flash_attn=flash).eval()
+    return model, (torch.randn(B, 16, 6, generator=_gen()),), {}
+
+
+def _performer(local: bool) -> Tuple[nn.Module, tuple, dict]:
+    """performer-pytorch: FAVOR+ (softmax kernel approximated by random features, linear attention
+    ``φ(q) (φ(k)ᵀ v)``, no softmax over q·kᵀ); ``local``: half the heads local softmax attention."""
+    from performer_pytorch import Performer
+
+    torch.manual_seed(0)
+    model = Performer(dim=32, depth=1, heads=4, dim_head=8, causal=False, nb_features=16,
+                      local_attn_heads=2 if local else 0, local_window_size=4).eval()
+    return model, (torch.randn(B, L, 32, generator=_gen()),), {}
+
+
+def lucidrains_more_cases(have: Callable[[str], bool]) -> Iterator[Case]:
+    if have("memory_efficient_attention_pytorch"):
+        for kind in ("plain", "plain_causal", "chunked", "chunked_causal"):
+            yield f"libs/memory-efficient-attention/{kind}", lambda k=kind: _memory_efficient(k), _default
+    if have("nystrom_attention"):
+        yield "libs/nystrom-attention/nystromformer", _nystrom, _default
+    if have("conformer"):
+        yield "libs/conformer/conformer", _conformer, None
+    if have("tab_transformer_pytorch"):
+        for kind in ("tab", "ft"):
+            yield f"libs/tab-transformer/{kind}", lambda k=kind: _tabular(k), _default
+    if have("iTransformer"):
+        for flash in (False, True):
+            yield f"libs/iTransformer/{'sdpa' if flash else 'eager'}", lambda f=flash: _itransformer(f), _default
+    if have("performer_pytorch"):
+        for local in (False, True):
+            yield f"libs/performer/{'local' if local else 'favor'}", lambda x=local: _performer(x), _default
