@@ -77,8 +77,9 @@ def _weighted(func: Any, args: Tuple[Any, ...], pair: List[Tensor], taint_of: Ca
     """Weights that are not a softmax probe measures, contracted over their keys with a v that
     carries no scores (a matrix power series' does: Nyström's pseudo-inverse): ``("linear", taint)``
     for scores of one product through masks, factors and divisors only (RetNet's retention
-    ``(q·kᵀ ⊙ D / norm) @ v``), ``("exp", taint)`` for ``exp(scores - max) @ v``, normalised after the
-    product (flash-style chunks: memory-efficient-attention); ``(None, None)`` otherwise."""
+    ``(q·kᵀ ⊙ D / norm) @ v``; by ``matmul`` only: einsums of state-space scans contract such
+    products with activations too), ``("exp", taint)`` for ``exp(scores - max) @ v`` normalised after
+    the product (flash-style chunks: memory-efficient-attention); ``(None, None)`` otherwise."""
     for i in ((0, 1) if func is torch.einsum else (0,)) if func in _MATMUL or func is torch.einsum else ():
         t, v = pair[i], pair[1 - i]
         taint = taint_of(t)
@@ -87,7 +88,7 @@ def _weighted(func: Any, args: Tuple[Any, ...], pair: List[Tensor], taint_of: Ca
             continue
         if taint.exp is not None and not taint.summed:
             return "exp", taint
-        if taint.weights is None and taint.exp is None and taint.logprobs is None and not (
+        if func in _MATMUL and taint.weights is None and taint.exp is None and taint.logprobs is None and not (
                 taint.learned or taint.summed or taint.lse or taint.lse_centred) and all(
                 op in _LINEAR_OPS for op in taint.ops[1:]):
             return "linear", taint
