@@ -526,15 +526,13 @@ def _nystrom() -> Tuple[nn.Module, tuple, dict]:
 
 
 def _conformer() -> Tuple[nn.Module, tuple, dict]:
-    """conformer (lucidrains): Shaw relative positions ``einsum(q, rel_pos_emb)`` added to ``q·kᵀ·s``,
-    with a padding mask."""
+    """conformer (lucidrains): Shaw relative positions ``einsum(q, rel_pos_emb)`` added to ``q·kᵀ·s``
+    (``Conformer.forward`` takes no mask)."""
     from conformer import Conformer
 
     torch.manual_seed(0)
     model = Conformer(dim=32, depth=2, dim_head=8, heads=4, conv_kernel_size=3).eval()
-    mask = torch.ones(B, L, dtype=torch.bool)
-    mask[1, -3:] = False
-    return model, (torch.randn(B, L, 32, generator=_gen()),), {"mask": mask}
+    return model, (torch.randn(B, L, 32, generator=_gen()),), {}
 
 
 def _tabular(kind: str) -> Tuple[nn.Module, tuple, dict]:
@@ -545,6 +543,8 @@ def _tabular(kind: str) -> Tuple[nn.Module, tuple, dict]:
     torch.manual_seed(0)
     cls = tt.TabTransformer if kind == "tab" else tt.FTTransformer
     kw: Dict[str, Any] = dict(categories=(5, 6, 7), num_continuous=3, dim=32, depth=2, heads=4, dim_head=8)
+    if kind == "tab":
+        kw["mlp_act"] = nn.ReLU()  # its default (None) raises in its own forward
     model = cls(**kw).eval()
     g = _gen()
     categ = torch.stack([torch.randint(0, n, (B,), generator=g) for n in (5, 6, 7)], -1)
