@@ -610,6 +610,14 @@ def versions() -> Dict[str, str]:
             except PackageNotFoundError:
                 version = "?"
         out[name] = str(version)
+    from benchmarks.survey_libs import DISTRIBUTIONS
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    for dist in DISTRIBUTIONS:  # read from the metadata: some import only with stand-ins (survey_libs)
+        try:
+            out[dist] = dist_version(dist)
+        except PackageNotFoundError:
+            continue
     return out
 
 
@@ -618,7 +626,7 @@ _LIBRARY = {"hf": "Hugging Face transformers", "timm": "timm", "nanogpt": "nanoG
             "rotary": "rotary-embedding-torch", "x-transformers": "x-transformers", "vit-pytorch": "vit-pytorch",
             "diffusers": "diffusers", "peft": "peft (LoRA, DoRA, IA3; base frozen)", "fair-esm": "fair-esm",
             "perceiver-pytorch": "perceiver-pytorch", "flamingo-pytorch": "flamingo-pytorch",
-            "reformer-pytorch": "reformer-pytorch"}
+            "reformer-pytorch": "reformer-pytorch", "libs": "library survey (benchmarks/survey_libs.py)"}
 
 
 def write_docs(path: str, json_paths: List[str]) -> None:
@@ -641,7 +649,7 @@ def write_docs(path: str, json_paths: List[str]) -> None:
     for name, r in runs.items():
         parts = name.split("/")
         key = "/".join(parts[:2]) if parts[0] in ("hf", "timm", "rotary", "nanogpt", "diffusers", "peft",
-                                                  "reformer-pytorch") else name
+                                                  "reformer-pytorch", "libs") else name
         models.setdefault(key, []).append(r)
     lines = [_START, "",
              "| library | model / configuration | variants | sites captured | verified, checked by values | front end | "

@@ -192,9 +192,11 @@ def more_cases() -> Iterator[Case]:
     if have("reformer_pytorch"):
         yield "reformer-pytorch/full", lambda: _reformer(False), _default
         yield "reformer-pytorch/lsh", lambda: _reformer(True), _default
+    from benchmarks.survey_libs import libs_cases
     from benchmarks.survey_sweep import sweep_cases
 
     yield from sweep_cases(have)
+    yield from libs_cases(have)
 
 
 # -- the check by values -----------------------------------------------------------------------------

@@ -29,7 +29,8 @@ Rules (a taint follows the scores from the product to the softmax):
   ``F.gumbel_softmax`` of scores (its noise is drawn inside one call), and a sigmoid of the scores
   of one product (no norm or other product since) once it multiplies an activation (sigmoid
   attention, ``sigmoid(q·kᵀ·s) @ v``), and so an arc-cosine kernel of them (YOSO's
-  ``(1 - acos(q̂·k̂)/π)^τ @ v``);
+  ``(1 - acos(q̂·k̂)/π)^τ @ v``) and the scores themselves, masked, scaled or divided only, times an
+  activation over their keys (linear attention: RetNet's retention ``(q·kᵀ ⊙ D / norm) @ v``);
 * a tensor produced where the audit could not see (a TorchScript function, a C++ extension) has
   no taint; with autograd on, a softmax input whose graph reaches a tainted tensor within a few
   nodes is still an event ("went through code probe cannot see");
@@ -54,8 +55,8 @@ from torch.utils.hooks import RemovableHandle
 from probe.capture.audit_taint import (ATTENTION, CUTS, DIV, EXP, GRAPH_CUTS, GRAPH_DEPTH, GUMBEL, KERNEL,
                                        LOG_SOFTMAX, POW, PRODUCTS, SIGMOID, SOFTMAX, Event, Taint, keeps_scores,
                                        learned_queries, operands, step, tensors_in)
-from probe.capture.ops import (ADD, CAST, DETACH, DIV as DIV_, DROPOUT, EXPAND, INDEX, MASKED_FILL, MUL, NORM, PERMUTE,
-                               RSUB, SUB, TRANSPOSE, VIEW, WHERE, funcs_of, name_of)
+from probe.capture.ops import (ADD, CAST, DETACH, DIV as DIV_, DROPOUT, EXPAND, FIRST, INDEX, MASKED_FILL, MUL, NORM,
+                               PERMUTE, PRODUCT, RSUB, SUB, TRANSPOSE, VIEW, WHERE, funcs_of, kind_of, name_of)
 
 __all__ = ["Audit", "Event"]
 
@@ -65,6 +66,44 @@ _NOT_SCORES = frozenset(map(name_of, PRODUCTS | funcs_of(NORM)))
 #: ops between a sigmoid (or kernel) of scores and its product with v that keep it the weights
 _KEEP_WEIGHTS = funcs_of(CAST, DETACH, DROPOUT, VIEW, TRANSPOSE, PERMUTE, EXPAND, INDEX, MASKED_FILL, WHERE, MUL, DIV_,
                          ADD, SUB, RSUB) | POW
+
+
+_MATMUL = funcs_of(PRODUCT)
+_LINEAR_OPS = frozenset(map(name_of, _KEEP_WEIGHTS - POW))
+
+
+def _weighted(func: Any, args: Tuple[Any, ...], pair: List[Tensor], taint_of: Callable[[Any], Optional[Taint]]
+              ) -> Tuple[Optional[str], Optional[Taint]]:
+    """Weights that are not a softmax probe measures, contracted over their keys with a v that
+    carries no scores (a matrix power series' does: Nyström's pseudo-inverse): ``("linear", taint)``
+    for scores of one product through masks, factors and divisors only (RetNet's retention
+    ``(q·kᵀ ⊙ D / norm) @ v``; by ``matmul`` only: einsums of state-space scans contract such
+    products with activations too), ``("exp", taint)`` for ``exp(scores - max) @ v`` normalised after
+    the product (flash-style chunks: memory-efficient-attention); ``(None, None)`` otherwise."""
+    for i in ((0, 1) if func is torch.einsum else (0,)) if func in _MATMUL or func is torch.einsum else ():
+        t, v = pair[i], pair[1 - i]
+        taint = taint_of(t)
+        if taint is None or taint_of(v) is not None or t.dim() < 3 or taint.axis != -1 or not _keys_contracted(
+                func, args, i):
+            continue
+        if taint.exp is not None and not taint.summed:
+            return "exp", taint
+        if func in _MATMUL and taint.weights is None and taint.exp is None and taint.logprobs is None and not (
+                taint.learned or taint.summed or taint.lse or taint.lse_centred) and all(
+                op in _LINEAR_OPS for op in taint.ops[1:]):
+            return "linear", taint
+    return None, None
+
+
+def _keys_contracted(func: Any, args: Tuple[Any, ...], i: int) -> bool:
+    """Whether operand ``i``'s last dim is contracted (``P @ v``; an einsum summing its last letter)."""
+    if func is not torch.einsum:
+        return i == 0
+    eq = args[0].replace(" ", "") if args and isinstance(args[0], str) else ""
+    if "->" not in eq or "." in eq or eq.count(",") != 1:
+        return False
+    specs, out = eq.split("->")[0].split(","), eq.split("->")[1]
+    return bool(specs[i]) and specs[i][-1] not in out and specs[i][-1] in specs[1 - i]
 
 
 class Audit(TorchFunctionMode):
@@ -343,6 +382,9 @@ class Audit(TorchFunctionMode):
                     weights = getattr(self._taint(t), "weights", None)
                     if weights is not None and weights not in self.events:
                         self.events.append(weights)
+                kind, scores = _weighted(func, args, pair, self._taint)
+                if kind is not None:  # retention ((q·kᵀ ⊙ D / norm) @ v), or exp(scores - max) @ v
+                    self.events.append(dataclasses.replace(self._event(scores), kind=kind))
                 shapes = " × ".join(str(tuple(t.shape)) for t in pair)
                 for t in outs:
                     self._set(t, Taint(ops=(name,), shapes=shapes))
@@ -354,7 +396,9 @@ class Audit(TorchFunctionMode):
                 return
             if pair is not None and not keeps_scores(func, args, pair, self._taint):
                 return  # scores @ W: a contraction of the key dim, not scores any more
-        taint = next((tt for tt in map(self._taint, inputs) if tt is not None), None)
+        # ops whose data is their first argument (``p.type_as(scores)``: ESM-2, torchscale) take its taint only
+        first = args[0] if args and isinstance(args[0], Tensor) and kind_of(func) in FIRST else None
+        taint = next((tt for tt in map(self._taint, [first] if first is not None else inputs) if tt is not None), None)
         if taint is None:
             return
         if func in CUTS and (taint.axis is None or taint.axis == -1):

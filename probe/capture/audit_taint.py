@@ -97,6 +97,11 @@ class Event:
             return "sigmoid attention (a sigmoid over the scores, not a softmax: not measured)"
         if self.kind == "kernel":
             return "kernel attention (an arc-cosine kernel of the scores, not a softmax: not measured)"
+        if self.kind == "exp":
+            return ("a softmax spelled around its product with v (exp(scores - max) @ v, normalised after it, as "
+                    "flash-style chunks are): not measured")
+        if self.kind == "linear":
+            return "linear attention (the scores times v with no softmax, as in retention: not measured)"
         if self.kind != "softmax":
             return f"the {self.kind} call was not understood"
         if self.dim is not None:
@@ -181,7 +186,7 @@ def step(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], taint: Taint,
             fields["lse_centred"] = True
     elif func not in ops.funcs_of(ops.CAST, ops.VIEW, ops.DETACH):
         fields.update(summed=False, lse=False, lse_centred=False, logprobs=None,
-                      exp=taint.exp if func in DIV or func in funcs_of(ops.MUL) else None)
+                      exp=taint.exp if func in DIV or func in funcs_of(ops.MUL, ops.DROPOUT) else None)
     return dataclasses.replace(taint, **fields)
 
 

@@ -7,8 +7,7 @@ einsum's operands permuted into ``(..., L, d)`` / ``(..., S, d)``). The operands
 give their factors, whichever side carries them and whatever permutes them on the way (the same
 map is applied to the record's unscaled ``base`` as to the operand); an *opaque* operand gives
 scores whose scale cannot be attributed. A product with a weight (a parameter or a view of one) is a
-projection: its output starts new features (no record), except on the left of a batched activation:
-
+projection: its output starts new features (no record), except on the left of a batched activation,
 *learned queries* (vit-pytorch's ``PatchMerger``: ``softmax(self.queries @ xᵀ · s) @ x``, attention
 pooling): a weight ``(..., N, d)``, or queries shared by every batch row (:func:`shared_rows`:
 ``(self.queries * s)``, ``self.to_q(self.latents)``), times an activation ``(B, ..., d, T)`` over the features starts
@@ -18,14 +17,14 @@ the way to it forgets the record (:meth:`~probe.capture.eager.EagerFrontEnd.hand
 right (``x @ Wᵀ``, ``F.linear``: a classifier, a router) or a softmax over the weight's rows stays a
 projection. grad_q is measured when the model expanded the weight to the batch itself, else named.
 
-The model's own operands carry the gradient hooks: a record made from them (a permutation, a
-reshape, an un-repeated kv head, a factor taken out) says how their gradient becomes its own
-(:func:`~probe.capture.eager_scores.grad_map`).
+Extra leading dims join the batch, dim -3 the heads (named if the module declares another count). The
+model's own operands carry the gradient hooks (:func:`~probe.capture.eager_scores.grad_map`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -101,7 +100,7 @@ def start(tracer: Any, op: Op, own_a: Any, own_b: Any, q_of: Map = _same, k_of: 
         heads_from = (f"its product's leading dim holds the {fold[0]}·{fold[1]} rows of heads folded into the batch "
                       f"in this module, and its dim 1 ({q.shape[1]}: windows?) is reported as heads")
     if q.dim() > 4:  # extra leading dims (windows, blocks: (B, T, H, N, d)): flattened into the batch
-        q, k = q.reshape(-1, *q.shape[-3:]), k.reshape(-1, *k.shape[-3:])
+        heads_from, q, k = heads_from or _grouped(tracer, q), q.reshape(-1, *q.shape[-3:]), k.reshape(-1, *k.shape[-3:])
     if q.dim() == 3:
         merged, heads_from = _heads(tracer, q, ra, rb)
         if merged is not None and q.shape[0] == merged[0] * merged[1] and k.shape[0] % merged[0] == 0:
@@ -125,6 +124,16 @@ def start(tracer: Any, op: Op, own_a: Any, own_b: Any, q_of: Map = _same, k_of: 
 
 _SHARED = ("q is a parameter shared by every batch row (learned queries broadcast in the product): autograd "
            "gives only its gradient summed over the batch, not each row's")
+
+
+def _grouped(tracer: Any, q: Tensor) -> Optional[str]:
+    """Why dim -3 of ``(B, ..., L, d)`` is not all the heads the module declares (grouped query heads
+    ``(B, H_kv, G, L, d)``: native-sparse-attention's ``attend``); ``None`` for ``(B, windows, H, N, d)``."""
+    declared = tracer.declared_heads()
+    if declared is None or q.shape[-3] == declared[0] or math.prod(q.shape[1:-2]) % declared[0]:
+        return None
+    return (f"its product has dims {tuple(q.shape[:-2])} before (L, d), dim -3 ({q.shape[-3]}) reported as heads, but "
+            f"the module declares `{declared[1]}` = {declared[0]} (query heads grouped per kv head?)")
 
 
 def _heads(tracer: Any, q: Tensor, ra: Optional[Operand], rb: Optional[Operand]) -> Tuple[Optional[tuple],

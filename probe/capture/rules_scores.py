@@ -11,6 +11,8 @@
   at or below ``-100``: keras.layers.Attention); ``torch.max(scores, finfo.min)`` / ``clamp(min=...)`` at or
   below it only touch masked entries;
 * ``c * tanh(z / c)`` records a soft cap ``c`` (Gemma 2);
+* ``nan_to_num`` with its default fills (torchscale, before adding its mask) changes no finite
+  score and keeps a ``-inf`` fill a mask: the record holds;
 * casts and views keep the record (``(B·H, L, S) <-> (B, H, L, S)`` recovers the heads of a
   ``bmm`` layout; views regrouping the leading dims: Swin's windows); a permutation makes it
   :class:`Moved` until permuted back; ``scores[idx]`` is a :class:`Slice` that may be written back.
@@ -270,6 +272,17 @@ def maximum(tracer: Any, op: Op) -> None:
 def keep(tracer: Any, op: Op) -> None:
     if isinstance(op.out, Tensor):
         tracer.set(op.out, op.subject)
+
+
+@rule(K.NAN_TO_NUM, Scores)
+def finite(tracer: Any, op: Op) -> None:
+    """``nan_to_num(scores)`` (torchscale's decoder, before its causal mask): finite scores are left
+    as they are and ``-inf`` becomes the dtype's most negative value, still a mask fill, so the
+    record holds. A fill of its own for ``-inf`` above the mask fill, or for ``+inf``, changes what
+    the softmax sees of such entries: unknown."""
+    neginf = op.arg(3, "neginf")
+    keeps = op.arg(2, "posinf") is None and (neginf is None or number(neginf) and neginf <= MASK_FILL)
+    tracer.set(op.out, op.subject if keeps else unknown(op.subject, f"`{op.name}` of the scores with its own fills"))
 
 
 @rule(K.VIEW, Scores)
