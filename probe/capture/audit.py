@@ -30,7 +30,9 @@ Rules (a taint follows the scores from the product to the softmax):
   of one product (no norm or other product since) once it multiplies an activation (sigmoid
   attention, ``sigmoid(q·kᵀ·s) @ v``), and so an arc-cosine kernel of them (YOSO's
   ``(1 - acos(q̂·k̂)/π)^τ @ v``) and the scores themselves, masked, scaled or divided only, times an
-  activation over their keys (linear attention: RetNet's retention ``(q·kᵀ ⊙ D / norm) @ v``);
+  activation over their keys (linear attention: RetNet's retention ``(q·kᵀ ⊙ D / norm) @ v``, Gated
+  DeltaNet's chunks) unless that activation is made from the same product or from a product of
+  scores (a matrix power series: Nyström's pseudo-inverse);
 * a tensor produced where the audit could not see (a TorchScript function, a C++ extension) has
   no taint; with autograd on, a softmax input whose graph reaches a tainted tensor within a few
   nodes is still an event ("went through code probe cannot see");
@@ -74,23 +76,26 @@ _LINEAR_OPS = frozenset(map(name_of, _KEEP_WEIGHTS - POW))
 
 def _weighted(func: Any, args: Tuple[Any, ...], pair: List[Tensor], taint_of: Callable[[Any], Optional[Taint]]
               ) -> Tuple[Optional[str], Optional[Taint]]:
-    """Weights that are not a softmax probe measures, contracted over their keys with a v that
-    carries no scores (a matrix power series' does: Nyström's pseudo-inverse): ``("linear", taint)``
-    for scores of one product through masks, factors and divisors only (RetNet's retention
-    ``(q·kᵀ ⊙ D / norm) @ v``; by ``matmul`` only: einsums of state-space scans contract such
-    products with activations too), ``("exp", taint)`` for ``exp(scores - max) @ v`` normalised after
-    the product (flash-style chunks: memory-efficient-attention); ``(None, None)`` otherwise."""
+    """Weights that are not a softmax probe measures, contracted over their keys with a v:
+    ``("linear", taint)`` for scores of one product of two plain activations through masks, factors
+    and divisors only (RetNet's retention ``(q·kᵀ ⊙ D / norm) @ v``; Gated DeltaNet's chunks, whose v
+    is solved from another product, ``k·kᵀ``; by ``matmul`` only: einsums of state-space scans
+    contract such products with activations too), with a v that is not made from the same product
+    nor from a product of scores (a matrix power series is: Nyström's pseudo-inverse,
+    ``xz @ (7I - xz)``); ``("exp", taint)`` for ``exp(scores - max) @ v`` normalised after the
+    product, v carrying no scores (flash-style chunks: memory-efficient-attention); ``(None, None)``
+    otherwise."""
     for i in ((0, 1) if func is torch.einsum else (0,)) if func in _MATMUL or func is torch.einsum else ():
         t, v = pair[i], pair[1 - i]
-        taint = taint_of(t)
-        if taint is None or taint_of(v) is not None or t.dim() < 3 or taint.axis != -1 or not _keys_contracted(
-                func, args, i):
+        taint, v_taint = taint_of(t), taint_of(v)
+        if taint is None or t.dim() < 3 or taint.axis != -1 or not _keys_contracted(func, args, i):
             continue
-        if taint.exp is not None and not taint.summed:
+        if taint.exp is not None and not taint.summed and v_taint is None:
             return "exp", taint
         if func in _MATMUL and taint.weights is None and taint.exp is None and taint.logprobs is None and not (
-                taint.learned or taint.summed or taint.lse or taint.lse_centred) and all(
-                op in _LINEAR_OPS for op in taint.ops[1:]):
+                taint.learned or taint.summed or taint.lse or taint.lse_centred or taint.series) and all(
+                op in _LINEAR_OPS for op in taint.ops[1:]) and (
+                v_taint is None or not (v_taint.series or v_taint.origin == taint.origin)):
             return "linear", taint
     return None, None
 
@@ -137,6 +142,7 @@ class Audit(TorchFunctionMode):
         self.events: List[Event] = []
         self._by_probs: Dict[int, Tuple[weakref.ref, Event]] = {}
         self._current: Optional[Event] = None
+        self._products = 0  # products of two activations so far (each scores' origin)
         self._capture: Any = None  # the capture mode below this audit, if any
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -386,8 +392,10 @@ class Audit(TorchFunctionMode):
                 if kind is not None:  # retention ((q·kᵀ ⊙ D / norm) @ v), or exp(scores - max) @ v
                     self.events.append(dataclasses.replace(self._event(scores), kind=kind))
                 shapes = " × ".join(str(tuple(t.shape)) for t in pair)
+                series = any(self._taint(t) is not None for t in pair)
+                self._products += 1
                 for t in outs:
-                    self._set(t, Taint(ops=(name,), shapes=shapes))
+                    self._set(t, Taint(ops=(name,), shapes=shapes, origin=self._products, series=series))
                 return
             if pair is not None and learned_queries(func, args, pair, self._is_const):
                 shapes = " × ".join(str(tuple(t.shape)) for t in pair)

@@ -64,6 +64,8 @@ class Taint:
     lse_centred: bool = False  # scores - logsumexp(scores): log-probabilities (exp of them is the softmax)
     weights: Optional["Event"] = None  # sigmoid(scores): its event (a product with an activation completes it)
     learned: bool = False  # scores of learned queries (learned_queries): attention only softmaxed over the tokens
+    origin: int = 0  # the product these scores come from (a token: two taints of one product share it)
+    series: bool = False  # that product's operands carried scores themselves (a matrix power series' terms)
 
     def over_weight_rows(self, dim: Optional[int] = None) -> bool:
         """Learned-query scores normalised other than over the tokens (over the weight's rows: a
@@ -101,7 +103,8 @@ class Event:
             return ("a softmax spelled around its product with v (exp(scores - max) @ v, normalised after it, as "
                     "flash-style chunks are): not measured")
         if self.kind == "linear":
-            return "linear attention (the scores times v with no softmax, as in retention: not measured)"
+            return ("linear attention (the scores times v with no softmax, as in retention or a gated delta rule: "
+                    "not measured)")
         if self.kind != "softmax":
             return f"the {self.kind} call was not understood"
         if self.dim is not None:

@@ -332,3 +332,88 @@ def test_a_power_series_of_products_is_not_linear_attention() -> None:
     torch.manual_seed(0)
     rows = probe.coverage(NystromPinv(), torch.randn(B, L, W)).rows
     assert [(r.site, r.captured) for r in rows] == [("root", True)], rows
+
+
+# -- Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo hybrid: transformers' torch_chunk_gated_delta_rule) ----------
+class GatedDeltaChunks(nn.Module):
+    """transformers' ``torch_chunk_gated_delta_rule``, written out: per chunk, ``(q·kᵀ ⊙ decay) @ v_new``
+    where ``v_new`` is solved from another product (``k_β·kᵀ``, a triangular solve) and the recurrent
+    state (``kᵀ @ v_new``, so from the second chunk on it carries scores of scores). Linear attention
+    with no softmax: 0 sites and no warning before (its v carries scores, the guard against Nyström's
+    power series); now named NOT measured."""
+
+    def __init__(self, chunk: int = 3) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(W, 3 * W)
+        self.gates = nn.Linear(W, 2 * H)
+        self.chunk = chunk
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
+        q, k = F.normalize(q, dim=-1) * D ** -0.5, F.normalize(k, dim=-1)
+        g, beta = self.gates(x).view(B, L, 2, H).permute(2, 0, 3, 1)
+        g, beta = -F.softplus(g), beta.sigmoid()
+        c, n = self.chunk, L // self.chunk
+        q, k, v = (t.reshape(B, H, n, c, D) for t in (q, k, v))
+        k_beta, v_beta = k * beta.reshape(B, H, n, c, 1), v * beta.reshape(B, H, n, c, 1)
+        cum = g.reshape(B, H, n, c).cumsum(-1)
+        decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(torch.ones(c, c, dtype=torch.bool).triu(1),
+                                                                    -math.inf).exp()
+        ut = (k_beta @ k.transpose(-1, -2)) * decay
+        intra = (q @ k.transpose(-1, -2)) * decay
+        new_v = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+        k_cum = torch.linalg.solve_triangular(ut, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+        state, out = torch.zeros(B, H, D, D), torch.zeros_like(new_v)
+        q, k = q * cum.exp().unsqueeze(-1), k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+        for i in range(n):
+            v_new = new_v[:, :, i] - k_cum[:, :, i] @ state
+            out[:, :, i] = q[:, :, i] @ state + intra[:, :, i] @ v_new
+            state = state * cum[:, :, i, -1].exp()[..., None, None] + k[:, :, i].transpose(-1, -2) @ v_new
+        return out.reshape(B, H, L, D).transpose(1, 2).reshape(B, L, W)
+
+
+class Hybrid(nn.Module):
+    """Qwen3-Next's layout: a Gated DeltaNet layer, then a softmax one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([GatedDeltaChunks(), Retention("softmax")])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_gated_delta_rule_chunks_are_named_as_linear_attention() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(B, L, W)
+    rows = {r.site: r for r in probe.coverage(Hybrid(), x).rows}
+    assert set(rows) == {"layers.0", "layers.1"}, list(rows)
+    assert not rows["layers.0"].captured and "linear attention" in rows["layers.0"].why, rows["layers.0"]
+    assert rows["layers.1"].captured and rows["layers.1"].scale == pytest.approx(D ** -0.5)
+    _, said = _watch(Hybrid(), x)
+    assert any("'layers.0' is NOT measured" in w and "gated delta rule" in w for w in said), said
+    assert not any("'layers.1'" in w for w in said), said
+
+
+def test_qwen3_next_gated_deltanet_layers_are_named() -> None:
+    """The real thing: transformers' Qwen3-Next with a linear-attention layer before a full one."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3NextConfig"):
+        pytest.skip("this transformers has no Qwen3-Next")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        layer_types=["linear_attention", "full_attention"], attn_implementation="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its fallbacks to the reference kernels (no flash-linear-attention here)
+        model = transformers.Qwen3NextForCausalLM(cfg).eval()
+        rows = {r.site: r for r in probe.coverage(model, torch.randint(0, 64, (2, 10))).rows}
+    assert set(rows) == {"model.layers.0.linear_attn", "model.layers.1.self_attn"}, list(rows)
+    assert not rows["model.layers.0.linear_attn"].captured
+    assert "linear attention" in rows["model.layers.0.linear_attn"].why
+    assert rows["model.layers.1.self_attn"].captured and rows["model.layers.1.self_attn"].verified
