@@ -25,7 +25,7 @@ from probe.capture.mode import ModuleStack
 from probe.once import WarnOnce
 from probe.errors import ProbeError
 from probe.session.empty_steps import EmptySteps
-from probe.session.grad_hooks import AddFields, GradHooks, grad_scales
+from probe.session.grad_hooks import GradHooks, grad_scales
 from probe.session.options import ExtraScale, scale_value
 from probe.session.site_info import SiteInfo, SiteKey, changed_heads, kv_fields_that_differ
 from probe.session.verify import Verifier, warn_once_per_site

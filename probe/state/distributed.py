@@ -40,7 +40,7 @@ from torch import Tensor
 
 from probe.errors import ProbeError
 from probe.state.accumulator import Entries
-from probe.state.combine import Entry, Layout, State, kind
+from probe.state.combine import Entry, Layout, State
 
 __all__ = ["Reducer", "combine_ranks", "resolve_group"]
 

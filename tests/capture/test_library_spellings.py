@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, List
+from typing import Any, List
 
 import numpy as np
 import pytest
