@@ -33,16 +33,7 @@ DISTRIBUTIONS = ("openai-whisper", "torchscale", "local-attention", "MEGABYTE-py
                  "block-recurrent-transformer-pytorch", "recurrent-memory-transformer-pytorch", "CoLT5-attention",
                  "speechbrain", "enformer-pytorch", "BS-RoFormer", "memory-efficient-attention-pytorch",
                  "nystrom-attention", "conformer", "tab-transformer-pytorch", "iTransformer", "performer-pytorch")
-Case = Tuple[str, Callable[[], Tuple[nn.Module, tuple, dict]], Optional[Callable[[str, int], float]]]
-B, L, VOCAB = 2, 8, 64
-
-
-def _default(site: str, d: int) -> float:
-    return d ** -0.5
-
-
-def _gen() -> torch.Generator:
-    return torch.Generator().manual_seed(1)
+from benchmarks.survey_sweep import B, L, VOCAB, Case, _default, _gen  # noqa: E402 - one copy of the survey's shapes
 
 
 def _ids(n: int = L, vocab: int = VOCAB) -> torch.Tensor:
