@@ -56,8 +56,7 @@ def factor(tracer: Any, op: Op) -> None:
     divide = op.kind == K.DIV
     if divide and op.kwargs.get("rounding_mode") is not None:
         return _touched(tracer, op)
-    x, s = (a, b) if isinstance(a, Tensor) and not (isinstance(b, Tensor) and isinstance(op.rec(b), Operand)
-                                                       and not isinstance(op.rec(a), Operand)) else (b, a)
+    x, s = (b, a) if _weight(op, b) > _weight(op, a) else (a, b)
     if divide and x is not a:
         return _touched(tracer, op)  # c / t: not linear in t
     if not isinstance(x, Tensor) or x.dim() < 2:  # 2-d: queries without batch, or (B·T, D) rows
@@ -96,6 +95,23 @@ def factor(tracer: Any, op: Op) -> None:
                                ops=(record.ops if record is not None else ()) + (op.name,)))
 
 
+def _table(t: Tensor, out: Any) -> bool:
+    """Whether ``t`` is broadcast over a leading dim of ``out`` (a position table, a grid): never a
+    function of a batched q or k, so its record (a grid's ``2 * g - 1``) is not theirs."""
+    return isinstance(out, Tensor) and (t.dim() < out.dim() or any(
+        n == 1 and m > 1 for n, m in zip(t.shape[:-1], out.shape[out.dim() - t.dim():-1])))
+
+
+def _weight(op: Op, t: Any) -> int:
+    """Which operand of ``t * s`` is the one a factor applies to: a recorded q or k, then any tensor
+    that is not a broadcast table, then a table, then a number."""
+    if not isinstance(t, Tensor):
+        return 0
+    if _table(t, op.out):
+        return 1
+    return 3 if isinstance(op.rec(t), Operand) else 2
+
+
 def _times_tensor(tracer: Any, op: Op, x: Tensor, m: Any, record: Optional[Operand], divide: bool) -> None:
     """``t * m`` / ``t / m`` with ``m`` a tensor of several values. On a scaled ``t``: when ``m``
     varies along the features (a rotary ``cos`` / ``sin``, a gain) the factor still holds
@@ -106,6 +122,8 @@ def _times_tensor(tracer: Any, op: Op, x: Tensor, m: Any, record: Optional[Opera
     if record.opaque or not isinstance(m, Tensor) or record.base is None:
         return tracer.set(op.out, _opaque(record, f"`{op.name}` of q or k after its factor"))
     other = op.rec(m)
+    if isinstance(other, Operand) and other.base is None and _table(m, op.out):
+        other = None  # a table whose own factor was lost (a grid's 2 * g - 1): a plain table
     if isinstance(other, Operand) and other.scaled and not other.loose:  # both scaled: the factors multiply
         if divide or other.base is None or record.factor_t is not None or other.factor_t is not None:
             return tracer.set(op.out, _opaque(record, f"`{op.name}` of q or k after its factor by a function of "

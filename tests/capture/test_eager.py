@@ -519,6 +519,50 @@ def test_a_factor_on_a_position_table_is_not_a_factor_on_q():
     assert info["scale"] == pytest.approx(D ** -0.5) and not info.get("scale_unknown"), info
 
 
+class GridRope(nn.Module):
+    """timm's DINOv3 rotary embedding (``RotaryEmbeddingDinoV3``, built each forward for the image's
+    grid): coordinates ``2.0 * grid - 1.0`` on an ``(H, W, 2)`` grid (3-d, so a factor was followed),
+    whose ``- 1`` made the record opaque; the sin / cos tables carried it into ``q * cos``, and the
+    scale read unknown for every block of ``vit_*_dinov3``. A table broadcast over q's leading dims
+    is never a function of q: its record is not q's."""
+
+    def __init__(self, prescale: bool) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D * H, 3 * D * H)
+        self.prescale = prescale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
+        if self.prescale:
+            q = q * D ** -0.5
+        ys, xs = torch.meshgrid(torch.arange(2.0), torch.arange(L / 2), indexing="ij")
+        grid = torch.stack([(ys + 0.5) / 2, (xs + 0.5) / (L / 2)], dim=-1)  # (2, L/2, 2)
+        grid = 2.0 * grid - 1.0  # [0, 1] -> [-1, 1]
+        angles = (2 * math.pi * grid.flatten(0, -2)[:, :, None] / torch.tensor([1.0, 10.0])).flatten(1)  # (L, d/2)
+        sin, cos = angles.sin().repeat_interleave(2, -1), angles.cos().repeat_interleave(2, -1)  # (L, d)
+
+        def rot(t: torch.Tensor) -> torch.Tensor:
+            return torch.stack([-t[..., 1::2], t[..., ::2]], -1).reshape(t.shape)
+
+        q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+        if self.prescale:
+            return F.scaled_dot_product_attention(q, k, v, scale=1.0)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("prescale", [False, True])
+def test_a_factor_lost_on_a_rotary_grid_is_not_q_s(prescale):
+    torch.manual_seed(0)
+    model = GridRope(prescale)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.watch(model, every=1) as p:
+            model(torch.randn(B, L, D * H)).sum().backward()
+    info = p.summary().info("root")
+    assert info["scale"] == pytest.approx(D ** -0.5) and not info.get("scale_unknown"), info
+    assert not [w for w in caught if "probe" in str(w.message)], [str(w.message) for w in caught]
+
+
 @pytest.mark.parametrize("where", ["q", "scores", "scores /"])
 def test_numpy_scalar_factors_are_read(where):
     """``q * np.float32(s)`` (NumPy's float32 is not a Python float) was read as no factor: scale
